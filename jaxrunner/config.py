@@ -1,0 +1,169 @@
+"""Model and runner configuration.
+
+`ModelConfig` is read from a Hugging Face `config.json` (through `transformers.AutoConfig`) and is
+hashable, so jitted functions take it as a static argument. `RunnerConfig` sizes the runner: request
+slots, token budget, KV cache and the compilation buckets derived from them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 frequency scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, path: str | os.PathLike) -> ModelConfig:
+        """Read `config.json` from a local checkpoint directory."""
+        from transformers import AutoConfig
+
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise ValueError(f"model directory {path!r} does not exist (pass a local Hugging Face checkpoint)")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"{path!r} has no config.json: is it a Hugging Face checkpoint directory?")
+        return cls.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
+
+    @classmethod
+    def from_hf_config(cls, hf) -> ModelConfig:
+        archs = list(getattr(hf, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or hf.model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'llama3'")
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
+        eos = hf.eos_token_id
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        window = getattr(hf, "sliding_window", None)
+        if arch == "Qwen2ForCausalLM" and not getattr(hf, "use_sliding_window", False):
+            window = None
+        if arch == "Qwen3ForCausalLM" and not getattr(hf, "use_sliding_window", False):
+            window = None
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        return cls(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            bos_token_id=hf.bos_token_id,
+            eos_token_ids=eos_ids,
+        )
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    sizes, n = [], lo
+    while n < hi:
+        sizes.append(n)
+        n *= 2
+    return tuple(sizes) + (hi,)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Sizes of the runner.
+
+    `max_num_seqs` request slots, each up to `max_model_len` tokens; at most `max_num_batched_tokens`
+    tokens per step; a paged KV cache of `num_blocks` blocks of `block_size` tokens.
+    """
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 512
+    block_size: int = 16
+    num_blocks: int = 256
+    dtype: str = "float32"
+    seed: int = 0
+    token_buckets: tuple[int, ...] = field(default=())
+    request_buckets: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunnerConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"RunnerConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not self.token_buckets:
+            lo = min(16, self.max_num_batched_tokens)
+            object.__setattr__(self, "token_buckets", _powers_of_two(lo, self.max_num_batched_tokens))
+        if not self.request_buckets:
+            object.__setattr__(self, "request_buckets", _powers_of_two(1, self.max_num_seqs))
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def max_blocks_per_req(self) -> int:
+        return -(-self.max_model_len // self.block_size)

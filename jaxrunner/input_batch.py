@@ -1,0 +1,224 @@
+"""Host side of a step: the request table (slot per request, what the scheduler told us) and the
+padded arrays one step sends to the device.
+
+`RequestTable.apply` checks a SchedulerOutput completely before building the next table, so bad
+input raises a ValueError and leaves the runner exactly as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from jaxrunner.config import RunnerConfig
+from jaxrunner.pytree import pytree_dataclass
+from jaxrunner.sampler import SamplingMetadata
+from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.step_io import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    req_id: str
+    slot: int
+    prefill_token_ids: tuple[int, ...]  # prompt, plus earlier outputs for a resumed request
+    prompt_len: int
+    sampling_params: SamplingParams
+    seed: int  # 64-bit
+    block_ids: tuple[int, ...]
+    num_computed: int  # tokens whose KV is in the cache
+    num_tokens: int  # tokens known so far: prefill + sampled
+
+
+@dataclass(frozen=True)
+class RequestTable:
+    rows: dict[str, RequestRow]
+    free_slots: tuple[int, ...]
+
+    @classmethod
+    def empty(cls, max_num_seqs: int) -> RequestTable:
+        return cls({}, tuple(range(max_num_seqs)))
+
+    def apply(
+        self, sched: SchedulerOutput, cfg: RunnerConfig, vocab_size: int, rng: np.random.Generator
+    ) -> tuple[RequestTable, list[str]]:
+        """The table after `sched`, and the requests whose block-table rows changed."""
+        _check(self, sched, cfg, vocab_size)
+        gone = (set(sched.finished_req_ids) | set(sched.preempted_req_ids)) & self.rows.keys()
+        rows = {rid: row for rid, row in self.rows.items() if rid not in gone}
+        free = list(self.free_slots) + sorted(self.rows[rid].slot for rid in gone)
+        for new in sched.scheduled_new_reqs:
+            sp = new.sampling_params
+            prefill = tuple(new.all_prefill_token_ids)
+            rows[new.req_id] = RequestRow(
+                req_id=new.req_id,
+                slot=free.pop(0),
+                prefill_token_ids=prefill,
+                prompt_len=len(new.prompt_token_ids),
+                sampling_params=sp,
+                seed=int(rng.integers(0, 2**63)) if sp.seed is None else sp.seed,
+                block_ids=tuple(new.block_ids[0]),
+                num_computed=new.num_computed_tokens,
+                num_tokens=len(prefill),
+            )
+        cached = sched.scheduled_cached_reqs
+        for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            extra = tuple(blocks[0]) if blocks else ()
+            rows[rid] = replace(rows[rid], block_ids=rows[rid].block_ids + extra, num_computed=computed)
+        dirty = [n.req_id for n in sched.scheduled_new_reqs]
+        dirty += [rid for rid, blocks in zip(cached.req_ids, cached.new_block_ids) if blocks and blocks[0]]
+        return RequestTable(rows, tuple(free)), dirty
+
+    def after_sampling(self, scheduled: dict[str, int], sampled: set[str]) -> RequestTable:
+        """Advance progress once the step ran: KV computed for the scheduled tokens, one more token known."""
+        rows = dict(self.rows)
+        for rid, n in scheduled.items():
+            row = rows[rid]
+            rows[rid] = replace(row, num_computed=row.num_computed + n, num_tokens=row.num_tokens + (rid in sampled))
+        return RequestTable(rows, self.free_slots)
+
+
+def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab_size: int) -> None:
+    def bad(msg: str) -> None:
+        raise ValueError(f"SchedulerOutput rejected: {msg}")
+
+    gone = (set(sched.finished_req_ids) | set(sched.preempted_req_ids)) & table.rows.keys()
+    live = table.rows.keys() - gone
+    new_ids = [n.req_id for n in sched.scheduled_new_reqs]
+    cached = sched.scheduled_cached_reqs
+    if len(set(new_ids)) != len(new_ids):
+        bad(f"duplicate request ids among new requests: {sorted({r for r in new_ids if new_ids.count(r) > 1})}")
+    if clash := set(new_ids) & live:
+        bad(f"new requests {sorted(clash)} are already running (finish or preempt them first)")
+    if len(set(cached.req_ids)) != len(cached.req_ids):
+        bad("duplicate request ids among cached requests")
+    if unknown := set(cached.req_ids) - live:
+        bad(f"unknown request ids {sorted(unknown)}: cached requests must have been added as new requests")
+    if not len(cached.req_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens):
+        bad("scheduled_cached_reqs fields have different lengths")
+    if len(live) + len(new_ids) > cfg.max_num_seqs:
+        bad(f"{len(live) + len(new_ids)} live requests exceed max_num_seqs={cfg.max_num_seqs}")
+    scheduled = set(new_ids) | set(cached.req_ids)
+    if set(sched.num_scheduled_tokens) != scheduled:
+        bad(
+            "num_scheduled_tokens must name exactly the new and cached requests; "
+            f"extra {sorted(set(sched.num_scheduled_tokens) - scheduled)}, missing {sorted(scheduled - set(sched.num_scheduled_tokens))}"
+        )
+    if sched.scheduled_spec_decode_tokens:
+        bad("speculative decoding is not supported yet: leave scheduled_spec_decode_tokens empty")
+    total = sum(sched.num_scheduled_tokens.values())
+    if total != sched.total_num_scheduled_tokens:
+        bad(f"total_num_scheduled_tokens={sched.total_num_scheduled_tokens} but the per-request counts sum to {total}")
+    if total > cfg.max_num_batched_tokens:
+        bad(f"{total} scheduled tokens exceed the largest bucket, max_num_batched_tokens={cfg.max_num_batched_tokens}")
+
+    def check_request(rid: str, block_ids: list[int], computed: int, known: int) -> None:
+        n = sched.num_scheduled_tokens[rid]
+        if n < 1:
+            bad(f"request {rid!r}: num_scheduled_tokens must be at least 1, got {n}")
+        if known > cfg.max_model_len or computed + n > cfg.max_model_len:
+            bad(f"request {rid!r} needs {max(known, computed + n)} tokens, longer than max_model_len={cfg.max_model_len}")
+        if not 0 <= computed or computed + n > known:
+            bad(f"request {rid!r}: num_computed_tokens={computed} + {n} scheduled exceeds the {known} known tokens")
+        if outside := [b for b in block_ids if not 0 <= b < cfg.num_blocks]:
+            bad(f"request {rid!r}: block ids {outside[:5]} outside the cache (num_blocks={cfg.num_blocks})")
+        if len(block_ids) > cfg.max_blocks_per_req:
+            bad(f"request {rid!r}: {len(block_ids)} blocks exceed max_model_len / block_size = {cfg.max_blocks_per_req}")
+        if len(block_ids) * cfg.block_size < computed + n:
+            bad(f"request {rid!r}: {len(block_ids)} blocks cannot hold {computed + n} tokens (block_size={cfg.block_size})")
+
+    for new in sched.scheduled_new_reqs:
+        tokens = new.all_prefill_token_ids
+        if not tokens:
+            bad(f"request {new.req_id!r} has an empty prompt")
+        if outside := [t for t in tokens if not 0 <= t < vocab_size]:
+            bad(f"request {new.req_id!r}: token ids {outside[:5]} outside the vocabulary (size {vocab_size})")
+        if len(new.block_ids) != 1:
+            bad(f"request {new.req_id!r}: block_ids must hold one list (one KV-cache group), got {len(new.block_ids)}")
+        check_request(new.req_id, list(new.block_ids[0]), new.num_computed_tokens, len(tokens))
+    for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        row = table.rows[rid]
+        if blocks is not None and len(blocks) != 1:
+            bad(f"request {rid!r}: new_block_ids must hold one list (one KV-cache group)")
+        all_blocks = list(row.block_ids) + (list(blocks[0]) if blocks else [])
+        check_request(rid, all_blocks, computed, row.num_tokens)
+
+
+@pytree_dataclass
+class TokenInputs:
+    """Per-token ([T]) and per-sequence ([S] = max_num_seqs) inputs of the backbone."""
+
+    token_ids: np.ndarray  # i32 [T]; -1: read the token from the device state (a sampled token)
+    token_rows: np.ndarray  # i32 [T]; the request slot; max_num_seqs for padding
+    positions: np.ndarray  # i32 [T]
+    query_start_loc: np.ndarray  # i32 [S + 1]
+    seq_lens: np.ndarray  # i32 [S]
+    seq_rows: np.ndarray  # i32 [S]
+    num_seqs: np.ndarray  # i32 []
+
+
+@pytree_dataclass
+class SampleInputs:
+    """Per-request ([B]) inputs of the logits + sampler step."""
+
+    commit_rows: np.ndarray  # i32 [B]; slot to append the sampled token to; max_num_seqs: discard
+    sampling: SamplingMetadata
+
+
+def batch_order(table: RequestTable, sched: SchedulerOutput) -> list[str]:
+    """Decodes first, then by ascending query length (vLLM's order; decode kernels want it)."""
+    ids = [n.req_id for n in sched.scheduled_new_reqs] + list(sched.scheduled_cached_reqs.req_ids)
+    return sorted(ids, key=lambda rid: sched.num_scheduled_tokens[rid])
+
+
+def build_inputs(
+    table: RequestTable, order: list[str], scheduled: dict[str, int], cfg: RunnerConfig, t_bucket: int, b_bucket: int
+) -> tuple[TokenInputs, SampleInputs, set[str]]:
+    """Padded arrays for one step, and the requests that sample a token this step."""
+    r, s = cfg.max_num_seqs, cfg.max_num_seqs
+    token_ids = np.full(t_bucket, -1, np.int32)
+    token_rows = np.full(t_bucket, r, np.int32)
+    positions = np.zeros(t_bucket, np.int32)
+    qsl = np.zeros(s + 1, np.int32)
+    seq_lens = np.zeros(s, np.int32)
+    seq_rows = np.zeros(s, np.int32)
+    commit_rows = np.full(b_bucket, r, np.int32)
+    temperature = np.zeros(b_bucket, np.float32)
+    seeds = np.zeros((b_bucket, 2), np.uint32)
+    sample_pos = np.zeros(b_bucket, np.int32)
+    sampled = set()
+    start = 0
+    for i, rid in enumerate(order):
+        row, n = table.rows[rid], scheduled[rid]
+        end = row.num_computed + n
+        pos = np.arange(row.num_computed, end, dtype=np.int32)
+        from_host = row.prefill_token_ids[row.num_computed : end]  # the rest are sampled tokens, on the device
+        token_ids[start : start + len(from_host)] = from_host
+        token_rows[start : start + n] = row.slot
+        positions[start : start + n] = pos
+        start += n
+        qsl[i + 1] = start
+        seq_lens[i] = end
+        seq_rows[i] = row.slot
+        if end == row.num_tokens:
+            sampled.add(rid)
+            commit_rows[i] = row.slot
+        temperature[i] = 0.0 if row.sampling_params.greedy else row.sampling_params.temperature
+        seeds[i] = (row.seed >> 32, row.seed & 0xFFFFFFFF)
+        sample_pos[i] = end
+    qsl[len(order) + 1 :] = start
+    tokens = TokenInputs(token_ids, token_rows, positions, qsl, seq_lens, seq_rows, np.int32(len(order)))
+    sampling = SamplingMetadata(temperature=temperature, seeds=seeds, positions=sample_pos)
+    return tokens, SampleInputs(commit_rows, sampling), sampled
+
+
+def block_table_rows(table: RequestTable, req_ids: list[str], cfg: RunnerConfig, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slots and full block-table rows of the given requests, padded to `bucket` (padding slot is dropped)."""
+    slots = np.full(bucket, cfg.max_num_seqs, np.int32)
+    data = np.zeros((bucket, cfg.max_blocks_per_req), np.int32)
+    for i, rid in enumerate(req_ids):
+        row = table.rows[rid]
+        slots[i] = row.slot
+        data[i, : len(row.block_ids)] = row.block_ids
+    return slots, data

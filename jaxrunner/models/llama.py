@@ -1,0 +1,144 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) as pure functions over a params pytree.
+
+Params are plain dicts named after the Hugging Face tensors, with every matrix stored [in, out].
+Layers are a tuple of per-layer dicts and the forward pass unrolls them in Python: XLA then sees
+one array per layer and never copies a layer's weights out of a stacked array (a `lax.scan` over
+stacked weights does, and runs decode ~2.6x slower; DESIGN.md 8). Which optional tensors exist
+(q/k/v bias, q/k norm, an untied LM head) is fixed by the ModelConfig.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrunner.config import ModelConfig
+
+Params = dict
+Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The shape of every tensor, keyed like the params pytree: what init and the loader both follow."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    layer = {
+        "attn_norm": (h,),
+        "wq": (h, q),
+        "wk": (h, kv),
+        "wv": (h, kv),
+        "wo": (q, h),
+        "mlp_norm": (h,),
+        "w_gate": (h, cfg.intermediate_size),
+        "w_up": (h, cfg.intermediate_size),
+        "w_down": (cfg.intermediate_size, h),
+    }
+    if cfg.qkv_bias:
+        layer |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
+    if cfg.qk_norm:
+        layer |= {"q_norm": (d,), "k_norm": (d,)}
+    shapes = {
+        "embed": (cfg.vocab_size, h),
+        "layers": tuple(dict(layer) for _ in range(cfg.num_layers)),
+        "final_norm": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (h, cfg.vocab_size)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: str | jnp.dtype = "float32", std: float = 0.02) -> Params:
+    """Random weights in the model's shapes (norm weights are ones), for tests and benchmarks."""
+    counter = iter(range(1 << 30))
+
+    def draw(tree: dict) -> dict:
+        return {
+            name: jnp.ones(shape, dtype)
+            if name.endswith("norm")
+            else (std * jax.random.normal(jax.random.fold_in(key, next(counter)), shape)).astype(dtype)
+            for name, shape in tree.items()
+        }
+
+    shapes = param_shapes(cfg)
+    layers = shapes.pop("layers")
+    return draw(shapes) | {"layers": tuple(draw(layer) for layer in layers)}
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Rotary inverse frequencies, with Llama 3's smooth low/high-frequency rescaling when configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq.astype(np.float32)
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate [T, H, D] by position, halves layout (Hugging Face's rotate_half convention)."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    kv: tuple,
+    attend: Callable[[int, jax.Array, jax.Array, jax.Array, tuple], tuple[jax.Array, tuple]],
+) -> tuple[jax.Array, tuple]:
+    """Run a packed batch of T tokens; returns the final hidden states [T, H] and the updated KV.
+
+    `attend(layer, q, k, v, kv_layer) -> (out [T, Hq, D], kv_layer)` writes this step's keys and
+    values into the paged cache and attends over it; the runner supplies it with the batch's
+    metadata bound, so the model knows nothing about pages.
+    """
+    t = token_ids.shape[0]
+    d, eps = cfg.head_dim, cfg.rms_norm_eps
+    inv_freq = rope_inv_freq(cfg)
+    x = params["embed"][token_ids]
+    new_kv = []
+    for i, p in enumerate(params["layers"]):
+        h = rms_norm(x, p["attn_norm"], eps)
+        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        if cfg.qkv_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q = q.reshape(t, cfg.num_heads, d)
+        k = k.reshape(t, cfg.num_kv_heads, d)
+        v = v.reshape(t, cfg.num_kv_heads, d)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        o, layer_kv = attend(i, q, k, v, kv[i])
+        new_kv.append(layer_kv)
+        x = x + o.reshape(t, cfg.num_heads * d) @ p["wo"]
+        h = rms_norm(x, p["mlp_norm"], eps)
+        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return rms_norm(x, params["final_norm"], eps), tuple(new_kv)
+
+
+def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """fp32 logits [N, V] for the given final hidden states."""
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(hidden, head, preferred_element_type=jnp.float32)

@@ -1,0 +1,154 @@
+"""Per-request sampling parameters, with vLLM's names and meanings, checked on construction.
+
+Checks that need the model (vocabulary size, the engine's logprobs limit) live in `verify`, which
+the engine calls once when a request arrives (`jaxrunner.sampling.prepare_request` calls it).
+Bad words are strings; the sampler needs their token ids: `with_bad_words_tokenized(tokenizer)`
+fills `bad_words_token_ids` the way vLLM does (each word with and without a leading space).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+# Largest number of logprobs a request may ask for, unless the engine is configured otherwise.
+DEFAULT_MAX_LOGPROBS = 20
+# Below this temperature sampling is greedy, as in vLLM.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            _bad(f"n must be at least 1, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            _bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            _bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not self.temperature >= 0.0:
+            _bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            _bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            _bad(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            _bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            _bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            _bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            _bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            _bad(f"seed must be in [0, 2**64), got {self.seed}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < -1:
+                _bad(f"{name} must be -1 (whole vocabulary) or >= 0, got {value}")
+        for name, ids in self._token_id_lists():
+            wrong = [t for t in ids if not _is_token_id(t)]
+            if wrong:
+                _bad(f"{name} holds invalid token ids {wrong[:5]}: token ids are non-negative ints")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            _bad("allowed_token_ids must not be empty (leave it None to allow every token)")
+        bias = [v for v in (self.logit_bias or {}).values() if not _is_finite_number(v)]
+        if bias:
+            _bad(f"logit_bias values must be finite numbers, got {bias[:5]}")
+        if any(not word for word in self.bad_words_token_ids or []):
+            _bad("bad_words_token_ids must not hold an empty word")
+
+    def verify(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """Raise a ValueError for what only the model and engine settings can rule out.
+
+        `max_logprobs` is the engine's limit (-1: the whole vocabulary); a request's -1 means the
+        whole vocabulary, as in vLLM.
+        """
+        limit = vocab_size if max_logprobs == -1 else max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            wanted = vocab_size if value == -1 else value
+            if value is not None and wanted > limit:
+                _bad(f"{name}={value} asks for {wanted} logprobs, more than the engine's maximum of {limit}")
+        for name, ids in self._token_id_lists():
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                _bad(f"{name} holds token ids {outside[:5]} outside the vocabulary (size {vocab_size})")
+        if self.bad_words and self.bad_words_token_ids is None:
+            _bad("bad_words must be tokenized first: use params.with_bad_words_tokenized(tokenizer)")
+
+    def with_bad_words_tokenized(self, tokenizer: Tokenizer) -> SamplingParams:
+        """A copy whose `bad_words_token_ids` holds each bad word's ids, as vLLM derives them.
+
+        Every word is encoded as written (leading spaces stripped) and, to catch it in the middle of
+        text too, with one leading space when that gives a different first token but the same length.
+        """
+        words: list[list[int]] = []
+        for word in self.bad_words or []:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            words.append(plain)
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                words.append(spaced)
+        return replace(self, bad_words_token_ids=words)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def _token_id_lists(self) -> list[tuple[str, list]]:
+        return [
+            ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", list(self.allowed_token_ids or [])),
+            ("stop_token_ids", list(self.stop_token_ids or [])),
+            ("bad_words_token_ids", [t for word in self.bad_words_token_ids or [] for t in word]),
+        ]
+
+
+def _bad(msg: str) -> None:
+    raise ValueError(f"SamplingParams: {msg}")
+
+
+def _is_token_id(t: object) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+
+
+def _is_finite_number(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)

@@ -1,0 +1,93 @@
+"""GPU parity against Hugging Face transformers run directly in PyTorch on the same GPU.
+
+Run on the GPU machine: `PYTHONPATH=$PWD python3 -m pytest -m gpu tests/test_gpu_parity.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from driver import drive, prompt_logits
+from jaxrunner import Runner, RunnerConfig
+from jaxrunner.loader import load_model
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+MODELS = Path(__file__).parent / "data" / "models"
+CONFIG = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128, block_size=16, num_blocks=64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def on_gpu():
+    if jax.default_backend() != "gpu" or not torch.cuda.is_available():
+        pytest.skip("needs a GPU visible to both JAX and PyTorch")
+
+
+def hf_model(path: Path, dtype):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    model.generation_config.eos_token_id = None
+    return model.cuda().eval()
+
+
+def prompts(vocab: int, lengths=(5, 13, 29, 40), seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_logits(model, prompt: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([prompt], device="cuda")).logits[0].float().cpu().numpy()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
+def test_fp32_greedy_tokens_identical(name):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = hf_model(MODELS / name, torch.float32)
+    cfg, params = load_model(MODELS / name, "float32")
+    ps = prompts(cfg.vocab_size)
+    expected = [hf_greedy(hf, p, 32) for p in ps]
+    runner = Runner(cfg, params, CONFIG)
+    assert drive(runner, ps, 32) == expected
+    assert drive(runner, ps, 32, chunk=7, stagger=3) == expected
+
+
+@pytest.fixture(scope="module")
+def medium_checkpoint(tmp_path_factory):
+    """A random Llama-3-shaped model (GQA, llama3 rope) big enough for bf16 rounding to matter."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
+        initializer_range=0.05, architectures=["LlamaForCausalLM"],
+    )
+    path = tmp_path_factory.mktemp("medium-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_bf16_logits_within_bf16_tolerance(medium_checkpoint):
+    """Our bf16 logits are as close to the fp32 truth as HF's own bf16 logits are (within 2x)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf32 = hf_model(medium_checkpoint, torch.float32)
+    hf16 = hf_model(medium_checkpoint, torch.bfloat16)
+    cfg, params = load_model(medium_checkpoint, "bfloat16")
+    for prompt in prompts(cfg.vocab_size, lengths=(17, 64, 100)):
+        truth = hf_logits(hf32, prompt)
+        theirs = np.linalg.norm(hf_logits(hf16, prompt) - truth) / np.linalg.norm(truth)
+        ours = np.linalg.norm(prompt_logits(cfg, params, prompt, chunk=48) - truth) / np.linalg.norm(truth)
+        assert ours < max(2 * theirs, 1e-2), f"bf16 relative error {ours:.2e} vs HF bf16 {theirs:.2e}"
