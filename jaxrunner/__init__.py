@@ -1,12 +1,18 @@
 """jaxrunner: a vLLM-style model runner in JAX/XLA, and the thin engine around it."""
 
 from jaxrunner.config import ModelConfig, RunnerConfig
+from jaxrunner.engine import LLM, CompletionOutput, EngineArgs, LLMEngine, RequestOutput
 from jaxrunner.runner import Runner
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 
 __all__ = [
+    "LLM",
     "CachedRequestData",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
+    "RequestOutput",
     "ModelConfig",
     "NewRequestData",
     "Runner",

@@ -9,6 +9,7 @@ stacked weights does, and runs decode ~2.6x slower; DESIGN.md 8). Which optional
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -51,8 +52,12 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype: str | jnp.dtype = "float32", std: float = 0.02) -> Params:
-    """Random weights in the model's shapes (norm weights are ones), for tests and benchmarks."""
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "std"))
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: str = "float32", std: float = 0.02) -> Params:
+    """Random weights in the model's shapes (norm weights are ones), for tests and benchmarks.
+
+    One jitted call, so the weights are drawn on the device in one program.
+    """
     counter = iter(range(1 << 30))
 
     def draw(tree: dict) -> dict:

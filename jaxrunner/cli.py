@@ -1,0 +1,132 @@
+"""The command line.
+
+    jaxrunner generate "Hello, my name is"                       # built-in tiny model, no download
+    jaxrunner generate --model DIR --temperature 0 --max-tokens 64 "Hello" "Bonjour"
+    jaxrunner generate --model DIR --stream "Once upon a time"
+
+Engine and sampling flags keep vLLM's names (--max-model-len, --max-num-seqs, --max-tokens, --top-p,
+--stop, ...). Sampling flags left out keep SamplingParams' defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jaxrunner.engine.default_model import DEFAULT_MODEL_NOTICE
+
+# (flag, type, help) for the SamplingParams fields the CLI exposes; `type` None means a switch.
+SAMPLING_FLAGS = (
+    ("n", int, "completions per prompt"),
+    ("max_tokens", int, "output tokens per completion (default 16)"),
+    ("min_tokens", int, "output tokens before EOS or stop ids may end a completion"),
+    ("temperature", float, "0 is greedy (default 1.0)"),
+    ("top_p", float, None),
+    ("top_k", int, None),
+    ("min_p", float, None),
+    ("presence_penalty", float, None),
+    ("frequency_penalty", float, None),
+    ("repetition_penalty", float, None),
+    ("stop", str, "a stop string (repeat the flag for several)"),
+    ("stop_token_ids", int, "stop token ids"),
+    ("ignore_eos", None, "keep generating after EOS"),
+    ("include_stop_str_in_output", None, "keep the matched stop string in the text"),
+)
+ENGINE_FLAGS = (
+    ("tokenizer", str, "tokenizer directory (default: the model's)"),
+    ("dtype", str, "auto, float32, bfloat16 or float16"),
+    ("max_model_len", int, None),
+    ("block_size", int, None),
+    ("max_num_seqs", int, None),
+    ("max_num_batched_tokens", int, None),
+    ("gpu_memory_utilization", float, None),
+    ("num_gpu_blocks_override", int, None),
+    ("seed", int, "engine seed: requests without their own seed draw one from it"),
+)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxrunner", description="A vLLM-style LLM inference engine in JAX.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("--model", help="local Hugging Face checkpoint directory (default: a built-in tiny random model)")
+    gen.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt)")
+    gen.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    engine = gen.add_argument_group("engine")
+    for name, kind, text in ENGINE_FLAGS:
+        engine.add_argument(_flag(name), dest=name, type=kind, help=text)
+    sampling = gen.add_argument_group("sampling")
+    for name, kind, text in SAMPLING_FLAGS:
+        if kind is None:
+            sampling.add_argument(_flag(name), dest=name, action="store_true", default=None, help=text)
+        elif name in ("stop", "stop_token_ids"):
+            sampling.add_argument(_flag(name), dest=name, type=kind, action="append", help=text)
+        else:
+            sampling.add_argument(_flag(name), dest=name, type=kind, help=text)
+    return parser
+
+
+def generate(args: argparse.Namespace) -> int:
+    from jaxrunner.engine.llm import LLM
+    from jaxrunner.sampling_params import SamplingParams
+
+    params = SamplingParams(**_given(args, SAMPLING_FLAGS))
+    if args.stream and (len(args.prompts) > 1 or params.n > 1):
+        raise ValueError("--stream prints one completion: give one prompt and n = 1")
+    if args.model is None:
+        print(DEFAULT_MODEL_NOTICE, file=sys.stderr)
+    llm = LLM(
+        model=args.model,
+        enable_prefix_caching=args.enable_prefix_caching,
+        **_given(args, ENGINE_FLAGS),
+    )
+    if args.stream:
+        final = None
+        for out in llm.generate_stream(args.prompts[0], params):
+            print("".join(c.text for c in out.outputs), end="", flush=True)
+            final = out
+        print()
+        return _report_error(final)
+    status = 0
+    for out in llm.generate(args.prompts, params, use_tqdm=False):
+        if _report_error(out):
+            status = 1
+            continue
+        for c in out.outputs:
+            label = "Generated text" if len(out.outputs) == 1 else f"Generated text [{c.index}]"
+            print(f"Prompt: {out.prompt!r}, {label}: {c.text!r} ({c.finish_reason})")
+    return status
+
+
+def _given(args: argparse.Namespace, flags: tuple) -> dict:
+    """The flags the user set (the rest keep their library defaults)."""
+    return {name: getattr(args, name) for name, _, _ in flags if getattr(args, name) is not None}
+
+
+def _report_error(out) -> int:
+    if out is None or out.error is None:
+        return 0
+    print(f"Prompt: {out.prompt!r:.60}, error: {out.error}", file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `jaxrunner` console script; the exit status (2: bad arguments)."""
+    # transformers warns at import that PyTorch is missing: true and irrelevant here.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return generate(args)
+    except ValueError as e:
+        parser.exit(2, f"jaxrunner: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

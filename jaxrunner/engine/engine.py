@@ -1,0 +1,271 @@
+"""LLMEngine: tokenizer, scheduler, block manager and runner, one `step()` at a time.
+
+`add_request` queues a prompt; each `step()` schedules one batch, runs `Runner.step`, appends the
+sampled tokens, detokenizes, applies stop strings and returns a `RequestOutput` for every request
+that progressed. A request with n > 1 runs as n child requests ("{i}_{id}") whose prompt blocks are
+shared through the prefix cache. A prompt that cannot run (too long, empty, unknown token ids)
+fails alone: its output has finish_reason "error" and says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from jaxrunner.engine.block_manager import BlockManager
+from jaxrunner.engine.default_model import default_model, default_tokenizer
+from jaxrunner.engine.detokenizer import IncrementalDetokenizer
+from jaxrunner.engine.engine_args import EngineArgs, resolve_dtype, runner_config, scheduler_config
+from jaxrunner.engine.outputs import CompletionOutput, RequestOutput
+from jaxrunner.engine.request import Request, RequestStatus
+from jaxrunner.engine.scheduler import Scheduler
+from jaxrunner.loader import load_model
+from jaxrunner.runner import Runner
+from jaxrunner.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | dict
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt tokenized and checked; `error` says why it cannot run (it then fails alone)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    error: str | None = None
+
+
+@dataclass
+class _Child:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    num_sent_tokens: int = 0
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    inputs: ProcessedPrompt
+    delta: bool
+    children: list[_Child] = field(default_factory=list)
+
+
+def load_tokenizer(args: EngineArgs):
+    if args.skip_tokenizer_init:
+        return None
+    if args.model is None and args.tokenizer is None:
+        return default_tokenizer()
+    from transformers import AutoTokenizer
+
+    path = args.tokenizer or args.model
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"could not load a tokenizer from {path!r} ({e}); pass tokenizer=DIR, or skip_tokenizer_init=True "
+            "and give prompts as token ids"
+        ) from e
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        dtype = resolve_dtype(args)
+        if args.model is None:
+            self.model_config, params = default_model(dtype)
+        else:
+            self.model_config, params = load_model(args.model, dtype)
+        self.tokenizer = load_tokenizer(args)
+        self.config = runner_config(args, self.model_config, dtype)
+        self.runner = Runner(self.model_config, params, self.config)
+        self.state = self.runner.init_state()
+        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config(self.config), self.block_manager)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_id = self.tokenizer.eos_token_id
+        else:
+            self.eos_token_id = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+        self._parents: dict[str, _Parent] = {}
+        self._children: dict[str, tuple[_Parent, _Child]] = {}
+        self._failed: list[RequestOutput] = []
+
+    def process_prompt(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize and check one prompt. Raises ValueError for sampling parameters the engine or
+        runner cannot honour (nothing is queued then); prompt problems fail only this request."""
+        text, ids = self._tokenize(prompt)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids with skip_tokenizer_init=True")
+        if params.bad_words and self.tokenizer is not None:
+            params = params.with_bad_words_tokenized(self.tokenizer)
+        self.runner.check_sampling_params(params, len(ids))
+        extra_eos = [t for t in self.model_config.eos_token_ids if t != self.eos_token_id]
+        if extra_eos and not params.ignore_eos:
+            stop_ids = list(dict.fromkeys([*(params.stop_token_ids or []), *extra_eos]))
+            params = dataclasses.replace(params, stop_token_ids=stop_ids)
+        return ProcessedPrompt(text, ids, params, self._prompt_error(ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt | ProcessedPrompt,
+        params: SamplingParams | None = None,
+        *,
+        delta: bool = False,
+    ) -> None:
+        """Queue a request. With `delta`, each output carries only what is new since the last one."""
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        inputs = (
+            prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt, params or SamplingParams())
+        )
+        parent = _Parent(request_id, inputs, delta)
+        if inputs.error is not None:
+            logger.warning("request %s failed: %s", request_id, inputs.error)
+            self._failed.append(self._output(parent))
+            return
+        sp = inputs.sampling_params
+        room = self.config.max_model_len - len(inputs.prompt_token_ids)
+        for i in range(sp.n):
+            child_params = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+            request = Request(
+                req_id=request_id if sp.n == 1 else f"{i}_{request_id}",
+                prompt_token_ids=inputs.prompt_token_ids,
+                sampling_params=child_params,
+                max_tokens=room if sp.max_tokens is None else sp.max_tokens,
+                eos_token_id=None if sp.ignore_eos else self.eos_token_id,
+            )
+            detok = (
+                None
+                if self.tokenizer is None
+                else IncrementalDetokenizer(self.tokenizer, inputs.prompt_token_ids, child_params)
+            )
+            child = _Child(request, detok)
+            parent.children.append(child)
+            self._children[request.req_id] = (parent, child)
+        for child in parent.children:
+            self.scheduler.add_request(child.request)
+        self._parents[request_id] = parent
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            parent = self._parents.pop(request_id, None)
+            if parent is None:
+                continue
+            for child in parent.children:
+                self.scheduler.finish_requests([child.request.req_id], RequestStatus.FINISHED_ABORTED)
+                del self._children[child.request.req_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._failed) or self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; the outputs of requests that progressed or finished."""
+        outputs, self._failed = self._failed, []
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        sched = self.scheduler.schedule()
+        self.state, out = self.runner.step(self.state, sched)
+        progressed: dict[str, _Parent] = {}
+        for req_id, tokens in self.scheduler.update_from_output(sched, out).items():
+            parent, child = self._children[req_id]
+            self._detokenize(child, tokens)
+            progressed[parent.request_id] = parent
+        for parent in progressed.values():
+            outputs.append(self._output(parent))
+            if all(c.request.is_finished for c in parent.children):
+                del self._parents[parent.request_id]
+                for c in parent.children:
+                    del self._children[c.request.req_id]
+        return outputs
+
+    def _detokenize(self, child: _Child, tokens: list[int]) -> None:
+        request = child.request
+        if child.detokenizer is None:
+            return
+        stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
+        stop = child.detokenizer.update(tokens, stop_terminated)
+        if stop is None:
+            return
+        request.stop_reason = stop
+        if request.is_finished:  # max_tokens ended it on the same token: the stop string wins, as in vLLM
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_requests([request.req_id], RequestStatus.FINISHED_STOPPED)
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        inputs = parent.inputs
+        if inputs.error is not None:
+            return RequestOutput(
+                request_id=parent.request_id,
+                prompt=inputs.prompt,
+                prompt_token_ids=inputs.prompt_token_ids,
+                outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")],
+                finished=True,
+                error=inputs.error,
+            )
+        completions = []
+        for index, child in enumerate(parent.children):
+            request, finished = child.request, child.request.is_finished
+            start = child.num_sent_tokens if parent.delta else 0
+            if parent.delta and start == request.num_output_tokens:
+                continue
+            child.num_sent_tokens = request.num_output_tokens
+            text = "" if child.detokenizer is None else child.detokenizer.text(finished, parent.delta)
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=request.output_token_ids[start:],
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=inputs.prompt,
+            prompt_token_ids=inputs.prompt_token_ids,
+            outputs=completions,
+            finished=all(c.request.is_finished for c in parent.children),
+            num_cached_tokens=max(parent.children[0].request.num_cached_tokens, 0),
+        )
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; give token ids with skip_tokenizer_init=True")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"unsupported prompt {prompt!r:.80}: give a string, a list of token ids or {{'prompt_token_ids': [...]}}"
+        )
+
+    def _prompt_error(self, ids: list[int]) -> str | None:
+        max_len = self.config.max_model_len
+        if not ids:
+            return "the prompt is empty"
+        if len(ids) > max_len:
+            return (
+                f"the prompt (length {len(ids)}) is longer than the maximum model length of {max_len}; "
+                "shorten it or raise max_model_len"
+            )
+        if len(ids) == max_len:
+            return (
+                f"the prompt (length {len(ids)}) fills the maximum model length of {max_len}, leaving no room "
+                "for output; shorten it or raise max_model_len"
+            )
+        vocab = self.model_config.vocab_size
+        if bad := [t for t in ids if not 0 <= t < vocab]:
+            return f"the prompt holds token ids {bad[:5]} outside the model's vocabulary (size {vocab})"
+        return None

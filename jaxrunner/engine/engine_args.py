@@ -1,0 +1,125 @@
+"""Engine arguments, with vLLM's names, and how they become the runner's and scheduler's sizes.
+
+Defaults depend on the platform: on a GPU they follow vLLM (256 sequences, 8192 tokens per step,
+the checkpoint's dtype, the KV cache sized from free memory); on a CPU they are small (8 sequences,
+256 tokens per step, float32), because every bucket is compiled and CPU compilation is slow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+import jax
+
+from jaxrunner.config import ModelConfig, RunnerConfig
+from jaxrunner.engine.scheduler import SchedulerConfig
+from jaxrunner.state import kv_cache_bytes
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """`model`: a local Hugging Face checkpoint directory, or None for the built-in tiny model.
+    `tokenizer`: defaults to `model`. `skip_tokenizer_init`: no tokenizer; prompts must be token
+    ids and outputs have empty text. `gpu_memory_utilization`: the fraction of device memory the
+    weights plus the KV cache may use (ignored on CPU); `num_gpu_blocks_override` fixes the number
+    of KV blocks instead."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(kwargs) - names):
+            raise TypeError(
+                f"unsupported engine arguments: {', '.join(unknown)}; jaxrunner accepts {', '.join(sorted(names))}"
+            )
+        return cls(**kwargs)
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def resolve_dtype(args: EngineArgs) -> str:
+    """dtype "auto" is float32 on CPU; on GPU the checkpoint's dtype (bfloat16 if it names none or float32)."""
+    if args.dtype != "auto":
+        return args.dtype
+    if not on_gpu():
+        return "float32"
+    if args.model is not None:
+        path = os.path.join(args.model, "config.json")
+        with open(path) as f:
+            hf = json.load(f)
+        stored = hf.get("dtype") or hf.get("torch_dtype")
+        if stored in ("bfloat16", "float16"):
+            return stored
+    return "bfloat16"
+
+
+def runner_config(args: EngineArgs, model: ModelConfig, dtype: str) -> RunnerConfig:
+    gpu = on_gpu()
+    max_model_len = args.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+            f"{model.max_position_embeddings}; lower max_model_len"
+        )
+    sizes = RunnerConfig(
+        max_num_seqs=args.max_num_seqs or (256 if gpu else 8),
+        max_num_batched_tokens=args.max_num_batched_tokens or (8192 if gpu else 256),
+        max_model_len=max_model_len,
+        block_size=args.block_size,
+        num_blocks=1,
+        dtype=dtype,
+        seed=args.seed,
+    )
+    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, sizes))
+    if cfg.num_blocks * cfg.block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache ({cfg.num_blocks} blocks of {cfg.block_size} tokens) cannot hold one sequence of "
+            f"max_model_len={max_model_len} tokens; raise num_gpu_blocks_override / gpu_memory_utilization "
+            "or lower max_model_len"
+        )
+    return cfg
+
+
+def scheduler_config(cfg: RunnerConfig) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+    )
+
+
+def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig) -> int:
+    """On GPU: what `gpu_memory_utilization` of the device leaves after the weights (already loaded),
+    less a tenth for the step's activations. On CPU: enough for every sequence at full length."""
+    full = cfg.max_num_seqs * cfg.max_blocks_per_req
+    stats = jax.devices()[0].memory_stats() if on_gpu() else None
+    if not stats:
+        return full
+    budget = stats["bytes_limit"] * args.gpu_memory_utilization - stats["bytes_in_use"]
+    per_block = kv_cache_bytes(model, dataclasses.replace(cfg, num_blocks=1))
+    return max(int(0.9 * budget) // per_block, 1)

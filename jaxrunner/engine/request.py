@@ -1,0 +1,81 @@
+"""One generation request as the scheduler sees it: its tokens, progress and how it ended.
+
+Mutable on purpose: the scheduler advances `num_computed_tokens` and appends sampled tokens every
+step. Everything text-related (detokenization, stop strings) lives in the engine, not here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from jaxrunner.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH_CAPPED = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's `CompletionOutput.finish_reason`: "stop", "length", "abort", "error" or None."""
+        return self.value if self.finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    """`max_tokens` is resolved (never None); `eos_token_id` is None when EOS must be ignored."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    eos_token_id: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prefix-cache hits at admission (vLLM's `num_cached_tokens`), from the first admission only.
+    num_cached_tokens: int = -1
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Chained hashes of the full blocks of `all_token_ids`, filled lazily by the block manager.
+    block_hashes: list[int] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """After a token is appended: the finished status it causes, if any (vLLM's order of checks)."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            last = self.output_token_ids[-1]
+            if last == self.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if last in (params.stop_token_ids or ()):
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_tokens >= max_model_len or self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None

@@ -1,0 +1,184 @@
+"""The scheduler: which requests run each step, how many tokens each, in the style of vLLM v1.
+
+Each step has a token budget (`max_num_batched_tokens`). Running requests go first, in arrival
+order: a decode costs one token, an unfinished prefill takes what is left of the budget (chunked
+prefill). When a running request needs a block and none is free, the most recently admitted running
+request is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed later from its prompt plus the tokens it already produced (the prefix cache usually
+finds most of them). Waiting requests are admitted first come, first served while the budget,
+`max_num_seqs` and the free blocks allow, but not in a step that had to preempt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from jaxrunner.engine.block_manager import BlockManager
+from jaxrunner.engine.request import Request, RequestStatus
+from jaxrunner.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        # Requests that left while the runner held them; reported (and forgotten) by the next step.
+        self._finished_in_runner: set[str] = set()
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        if not 0 < request.num_tokens < self.config.max_model_len:
+            raise ValueError(
+                f"request {request.req_id!r} has {request.num_tokens} tokens; it needs between 1 and "
+                f"max_model_len - 1 = {self.config.max_model_len - 1} to leave room for output"
+            )
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            fresh = self.block_manager.allocate_slots(request, n)
+            while fresh is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                fresh = self.block_manager.allocate_slots(request, n)
+            if fresh is None:
+                break
+            num_scheduled[request.req_id] = n
+            new_blocks[request.req_id] = fresh
+            budget -= n
+            i += 1
+
+        admitted: list[Request] = []
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
+            n = min(request.num_tokens - num_hit_tokens, budget)
+            if self.block_manager.allocate_slots(request, n, hits) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            admitted.append(request)
+            num_scheduled[request.req_id] = n
+            budget -= n
+
+        out = self._build_output(admitted, num_scheduled, new_blocks, preempted)
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return out
+
+    def _build_output(
+        self,
+        admitted: list[Request],
+        num_scheduled: dict[str, int],
+        new_blocks: dict[str, list[int]],
+        preempted: list[Request],
+    ) -> SchedulerOutput:
+        new_reqs = [
+            NewRequestData(
+                req_id=r.req_id,
+                prompt_token_ids=r.prompt_token_ids,
+                block_ids=(self.block_manager.block_ids(r.req_id),),
+                num_computed_tokens=r.num_computed_tokens,
+                sampling_params=r.sampling_params,
+                prefill_token_ids=r.all_token_ids if r.output_token_ids else None,
+            )
+            for r in admitted
+        ]
+        admitted_ids = {r.req_id for r in admitted}
+        cached_ids = [rid for rid in num_scheduled if rid not in admitted_ids]
+        cached = CachedRequestData(
+            req_ids=cached_ids,
+            new_block_ids=[(new_blocks[rid],) if new_blocks[rid] else None for rid in cached_ids],
+            num_computed_tokens=[self.requests[rid].num_computed_tokens for rid in cached_ids],
+        )
+        finished, self._finished_in_runner = self._finished_in_runner, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished,
+            preempted_req_ids={r.req_id for r in preempted},
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> dict[str, list[int]]:
+        """Append the sampled tokens, finish requests that hit a stop condition; the new tokens per
+        request (cut at the token that finished it)."""
+        new_tokens: dict[str, list[int]] = {}
+        for req_id in sched.num_scheduled_tokens:
+            request = self.requests[req_id]
+            sampled = out.sampled_token_ids[out.req_id_to_index[req_id]]
+            expected = 1 if request.num_computed_tokens == request.num_tokens else 0
+            if len(sampled) != expected:
+                raise RuntimeError(
+                    f"runner returned {len(sampled)} tokens for request {req_id!r}, expected {expected} "
+                    f"({request.num_computed_tokens} of {request.num_tokens} tokens computed)"
+                )
+            kept = []
+            for token in sampled:
+                request.output_token_ids.append(token)
+                kept.append(token)
+                status = request.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self._finish(request, status)
+                    break
+            if kept:
+                new_tokens[req_id] = kept
+        return new_tokens
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
+        """End requests from outside the step (a stop string matched, an abort)."""
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._finished_in_runner.add(request.req_id)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.block_manager.free(request)
+        del self.requests[request.req_id]

@@ -1,0 +1,115 @@
+"""A fake runner for scheduler tests, and the block manager's invariants.
+
+`FakeRunner` keeps `Runner.step`'s contract (slots freed by finished/preempted ids, new requests
+carry all their blocks, a token is sampled only when the known tokens are all computed) with a toy
+model whose "KV cache" stores token ids. Each step writes the scheduled tokens into their slots and
+reads every scheduled request's context back through its block table, so a block handed to the
+wrong request, shared when it should not be or evicted while in use shows up as a wrong context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxrunner.engine.block_manager import BlockManager
+from jaxrunner.engine.scheduler import Scheduler
+from jaxrunner.step_io import RunnerOutput, SchedulerOutput
+
+VOCAB = 50
+
+
+def next_token(tokens: list[int]) -> int:
+    """The toy model: a deterministic function of the whole context."""
+    h = 0
+    for t in tokens:
+        h = (h * 31 + t + 1) % 1_000_003
+    return h % VOCAB
+
+
+def reference_output(prompt: list[int], max_tokens: int, max_model_len: int, eos: int | None) -> list[int]:
+    """What one request alone must produce: the toy model's greedy tokens until a stop condition."""
+    tokens = list(prompt)
+    out: list[int] = []
+    while True:
+        out.append(next_token(tokens))
+        tokens.append(out[-1])
+        if out[-1] == eos or len(out) >= max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
+@dataclass
+class _Row:
+    tokens: list[int]
+    blocks: list[int]
+    computed: int
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.rows: dict[str, _Row] = {}
+
+    def step(self, sched: SchedulerOutput) -> RunnerOutput:
+        bs = self.block_size
+        for rid in sched.finished_req_ids | sched.preempted_req_ids:
+            self.rows.pop(rid, None)
+        for new in sched.scheduled_new_reqs:
+            assert new.req_id not in self.rows
+            assert new.num_computed_tokens % bs == 0
+            self.rows[new.req_id] = _Row(
+                list(new.all_prefill_token_ids), list(new.block_ids[0]), new.num_computed_tokens
+            )
+        cached = sched.scheduled_cached_reqs
+        for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            row = self.rows[rid]
+            assert row.computed == computed, f"{rid}: scheduler says {computed} computed, runner has {row.computed}"
+            row.blocks += blocks[0] if blocks else []
+        assert len(self.rows) <= self.max_num_seqs
+        assert sched.total_num_scheduled_tokens == sum(sched.num_scheduled_tokens.values())
+        assert sched.total_num_scheduled_tokens <= self.max_num_batched_tokens
+        assert set(sched.num_scheduled_tokens) == {n.req_id for n in sched.scheduled_new_reqs} | set(cached.req_ids)
+
+        for rid, n in sched.num_scheduled_tokens.items():
+            row = self.rows[rid]
+            assert n >= 1 and row.computed + n <= len(row.tokens)
+            assert len(row.blocks) * bs >= row.computed + n, f"{rid}: blocks do not cover the scheduled tokens"
+            for pos in range(row.computed, row.computed + n):
+                self.cache[row.blocks[pos // bs]][pos % bs] = row.tokens[pos]
+        req_ids, sampled = list(sched.num_scheduled_tokens), []
+        for rid in req_ids:
+            row = self.rows[rid]
+            row.computed += sched.num_scheduled_tokens[rid]
+            context = [self.cache[row.blocks[p // bs]][p % bs] for p in range(row.computed)]
+            assert context == row.tokens[: row.computed], f"{rid}: the KV cache holds another request's tokens"
+            if row.computed == len(row.tokens):
+                row.tokens.append(next_token(context))
+                sampled.append([row.tokens[-1]])
+            else:
+                sampled.append([])
+        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled)
+
+
+def check_block_invariants(bm: BlockManager) -> None:
+    """Reference counts equal owners; the free queue is exactly the unowned blocks; a block held by
+    several requests is a cached full block; the hash map and the blocks' hashes agree."""
+    owners = [0] * bm.num_blocks
+    for blocks in bm.req_blocks.values():
+        assert len(set(blocks)) == len(blocks), "a request holds a block twice"
+        for b in blocks:
+            owners[b] += 1
+    assert owners == bm.ref_counts
+    assert set(bm.free_queue) == {b for b in range(bm.num_blocks) if bm.ref_counts[b] == 0}
+    assert all(bm.block_hash[b] is not None for b in range(bm.num_blocks) if bm.ref_counts[b] > 1)
+    assert {b: h for h, b in bm.cached.items()} == {b: h for b, h in enumerate(bm.block_hash) if h is not None}
+
+
+def check_scheduler_invariants(scheduler: Scheduler) -> None:
+    bm, cfg = scheduler.block_manager, scheduler.config
+    check_block_invariants(bm)
+    assert len(scheduler.running) <= cfg.max_num_seqs
+    for request in scheduler.running:
+        assert len(bm.block_ids(request.req_id)) * bm.block_size >= request.num_computed_tokens
+    assert all(not bm.block_ids(r.req_id) for r in scheduler.waiting), "a waiting request holds blocks"

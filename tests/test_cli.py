@@ -1,0 +1,85 @@
+"""The `jaxrunner generate` command: the README's first command, a local checkpoint, streaming, errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxrunner.cli import main
+from jaxrunner.engine.default_model import DEFAULT_MODEL_NOTICE, default_tokenizer
+
+TINY_LLAMA = Path(__file__).parent / "data" / "models" / "tiny-llama"
+SMALL = ["--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
+
+
+def test_first_command_works_without_a_model():
+    """The console script on a fresh machine: the built-in model, one line saying so."""
+    script = Path(sys.executable).with_name("jaxrunner")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "jaxrunner.cli"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([*command, "generate", "Hello, world"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == DEFAULT_MODEL_NOTICE
+    assert done.stdout.startswith("Prompt: 'Hello, world', Generated text: ")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A local HF checkpoint with a tokenizer: the tiny Llama weights plus the built-in tokenizer."""
+    path = tmp_path_factory.mktemp("model")
+    for f in TINY_LLAMA.iterdir():
+        shutil.copy(f, path)
+    default_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_local_checkpoint_with_sampling_flags(model_dir, capsys):
+    args = ["generate", "--model", str(model_dir), *SMALL, "--temperature", "0", "--max-tokens", "6", "--n", "2"]
+    assert main([*args, "--ignore-eos", "one", "two"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and lines[0].startswith("Prompt: 'one', Generated text [0]: ")
+    assert lines[0].split(": ", 2)[2] == lines[1].split(": ", 2)[2]  # greedy: both completions agree
+    assert all(line.endswith("(length)") for line in lines)
+
+
+def test_stream_prints_the_same_text(model_dir, capsys):
+    base = [
+        "generate",
+        "--model",
+        str(model_dir),
+        *SMALL,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "hi",
+    ]
+    assert main(base) == 0
+    text = eval(capsys.readouterr().out.split("Generated text: ", 1)[1].rsplit(" (", 1)[0])
+    assert main([*base, "--stream"]) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--stream", "x", "y"], "--stream"),
+        (["--temperature", "-1", "x"], "temperature"),
+    ],
+)
+def test_bad_requests_exit_with_a_message(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *SMALL, *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_too_long_prompt_is_reported(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), *SMALL, "--max-tokens", "2", "ok", "y" * 80]) == 1
+    captured = capsys.readouterr()
+    assert "Prompt: 'ok'" in captured.out and "maximum model length of 64" in captured.err

@@ -1,0 +1,250 @@
+"""Scheduler: token budget, chunked prefill, decodes first, FCFS, max_num_seqs, preemption by
+recompute, stop conditions; and a property test over random workloads (with a fake runner)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine_fakes import VOCAB, FakeRunner, check_scheduler_invariants, reference_output
+from jaxrunner.engine.block_manager import BlockManager
+from jaxrunner.engine.request import Request, RequestStatus
+from jaxrunner.engine.scheduler import Scheduler, SchedulerConfig
+from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.step_io import RunnerOutput
+
+
+def make(max_num_seqs=4, budget=8, max_model_len=64, block_size=4, num_blocks=64, caching=True):
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs, budget, max_model_len), BlockManager(num_blocks, block_size, caching)
+    )
+    return scheduler, FakeRunner(num_blocks, block_size, max_num_seqs, budget)
+
+
+def req(req_id: str, prompt_len: int, max_tokens: int = 8, first: int = 0, **params) -> Request:
+    prompt = [(first + i) % VOCAB for i in range(prompt_len)]
+    return Request(req_id, prompt, SamplingParams(**params), max_tokens=max_tokens)
+
+
+def step(scheduler: Scheduler, runner: FakeRunner):
+    sched = scheduler.schedule()
+    check_scheduler_invariants(scheduler)
+    return sched, scheduler.update_from_output(sched, runner.step(sched))
+
+
+def run_all(scheduler: Scheduler, runner: FakeRunner, arrivals: dict[int, list[Request]], max_steps: int = 5000) -> int:
+    """Add requests at their arrival steps and step until every request finished; the step count."""
+    n = 0
+    while n <= max(arrivals, default=0) or scheduler.has_unfinished_requests():
+        for request in arrivals.get(n, []):
+            scheduler.add_request(request)
+        step(scheduler, runner)
+        n += 1
+        assert n < max_steps, "the scheduler stopped making progress"
+    step(scheduler, runner)  # report the last finished requests to the runner
+    assert not runner.rows and not scheduler.block_manager.req_blocks
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    return n
+
+
+def test_chunked_prefill_under_the_token_budget():
+    scheduler, runner = make(budget=8)
+    a, b = req("a", 10), req("b", 5, first=20)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    sched, _ = step(scheduler, runner)
+    assert sched.num_scheduled_tokens == {"a": 8}  # a's first chunk takes the whole budget
+    sched, new_tokens = step(scheduler, runner)
+    assert sched.num_scheduled_tokens == {"a": 2, "b": 5}  # a's last chunk first, then b is admitted
+    assert [n.req_id for n in sched.scheduled_new_reqs] == ["b"]
+    assert sched.scheduled_cached_reqs.req_ids == ["a"] and sched.scheduled_cached_reqs.num_computed_tokens == [8]
+    assert set(new_tokens) == {"a", "b"}
+    sched, _ = step(scheduler, runner)
+    assert sched.num_scheduled_tokens == {"a": 1, "b": 1}
+
+
+def test_decodes_go_first_and_a_new_prefill_gets_the_rest():
+    scheduler, runner = make(budget=4)
+    scheduler.add_request(req("a", 3))
+    step(scheduler, runner)
+    scheduler.add_request(req("b", 10, first=30))
+    sched, _ = step(scheduler, runner)
+    assert list(sched.num_scheduled_tokens.items()) == [("a", 1), ("b", 3)]
+
+
+def test_max_num_seqs_and_fcfs():
+    scheduler, runner = make(max_num_seqs=2, budget=64)
+    for i in range(3):
+        scheduler.add_request(req(f"r{i}", 4, max_tokens=2 + i, first=10 * i))
+    sched, _ = step(scheduler, runner)
+    assert list(sched.num_scheduled_tokens) == ["r0", "r1"]
+    step(scheduler, runner)  # r0 finishes (2 tokens)
+    sched, _ = step(scheduler, runner)
+    assert sched.finished_req_ids == {"r0"} and [n.req_id for n in sched.scheduled_new_reqs] == ["r2"]
+
+
+def test_preemption_by_recompute_keeps_outputs():
+    # 6 blocks of 4 tokens: two requests of 6 + 12 tokens cannot both finish without preemption.
+    scheduler, runner = make(max_num_seqs=2, budget=16, max_model_len=24, num_blocks=6)
+    a, b = req("a", 6, max_tokens=12), req("b", 6, max_tokens=12, first=25)
+    seen_resume = []
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    while scheduler.has_unfinished_requests():
+        sched, _ = step(scheduler, runner)
+        for new in sched.scheduled_new_reqs:
+            if new.prefill_token_ids is not None:
+                seen_resume.append(new)
+                assert new.prefill_token_ids[: len(new.prompt_token_ids)] == new.prompt_token_ids
+                assert len(new.prefill_token_ids) > len(new.prompt_token_ids)
+    assert scheduler.num_preemptions > 0 and b.num_preemptions > 0 and seen_resume
+    assert a.output_token_ids == reference_output(a.prompt_token_ids, 12, 24, None)
+    assert b.output_token_ids == reference_output(b.prompt_token_ids, 12, 24, None)
+
+
+def test_preempted_ids_reach_the_runner():
+    scheduler, runner = make(max_num_seqs=2, budget=16, max_model_len=24, num_blocks=6)
+    scheduler.add_request(req("a", 6, max_tokens=12))
+    scheduler.add_request(req("b", 6, max_tokens=12, first=25))
+    preempted = set()
+    while scheduler.has_unfinished_requests():
+        sched, _ = step(scheduler, runner)
+        preempted |= sched.preempted_req_ids
+        assert not sched.preempted_req_ids & set(sched.num_scheduled_tokens)
+    assert preempted == {"b"}  # the most recently admitted request is the victim
+
+
+@pytest.mark.parametrize(
+    ("outputs", "params", "max_tokens", "expected"),
+    [
+        ([5, 2], {}, 8, ("stop", None)),  # EOS
+        ([5, 7], {"stop_token_ids": [7]}, 8, ("stop", 7)),
+        ([2], {"min_tokens": 2}, 8, None),  # EOS does not count before min_tokens
+        ([2, 2], {"min_tokens": 2}, 8, ("stop", None)),
+        ([5, 6], {}, 2, ("length", None)),
+        ([5, 2], {}, 2, ("stop", None)),  # EOS on the last allowed token is a stop, as in vLLM
+        ([5, 2], {"ignore_eos": True}, 8, None),
+    ],
+)
+def test_check_stop(outputs, params, max_tokens, expected):
+    sp = SamplingParams(**params)
+    request = Request("r", [1, 1], sp, max_tokens=max_tokens, eos_token_id=None if sp.ignore_eos else 2)
+    request.output_token_ids = outputs
+    status = request.check_stop(max_model_len=64)
+    assert (None if status is None else (status.finish_reason, request.stop_reason)) == expected
+
+
+def test_max_model_len_caps_generation():
+    request = Request("r", [1] * 6, SamplingParams(), max_tokens=100, output_token_ids=[3, 4])
+    assert request.check_stop(max_model_len=8) == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_finish_reasons_through_the_scheduler():
+    scheduler, runner = make()
+    eos_prompt = [3, 1, 4]
+    eos = reference_output(eos_prompt, 3, 64, None)[2]  # the toy model's third token becomes "EOS"
+    a = Request("a", eos_prompt, SamplingParams(), max_tokens=10, eos_token_id=eos)
+    b = req("b", 5, max_tokens=4)
+    run_all(scheduler, runner, {0: [a, b]})
+    assert a.status.finish_reason == "stop" and a.output_token_ids[-1] == eos and len(a.output_token_ids) <= 3
+    assert b.status.finish_reason == "length" and len(b.output_token_ids) == 4
+
+
+def test_finish_requests_from_outside():
+    scheduler, runner = make(max_num_seqs=1)
+    a, b = req("a", 4), req("b", 4, first=9)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    step(scheduler, runner)
+    scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished_requests() and a.status == b.status == RequestStatus.FINISHED_ABORTED
+    sched = scheduler.schedule()
+    assert sched.finished_req_ids == {"a"}  # b never reached the runner
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+
+
+def test_add_request_checks():
+    scheduler, _ = make(max_model_len=8)
+    with pytest.raises(ValueError, match="max_model_len"):
+        scheduler.add_request(req("long", 8))
+    scheduler.add_request(req("a", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(req("a", 3))
+
+
+def test_runner_contract_violation_is_reported():
+    scheduler, _ = make(budget=4)
+    scheduler.add_request(req("a", 10))
+    sched = scheduler.schedule()
+    bogus = RunnerOutput(["a"], {"a": 0}, [[1]])  # a token for a non-final prefill chunk
+    with pytest.raises(RuntimeError, match="expected 0"):
+        scheduler.update_from_output(sched, bogus)
+
+
+def test_shared_prefix_is_computed_once():
+    scheduler, runner = make(budget=64, block_size=4)
+    prompts = [[7] * 12 + [i] for i in range(3)]
+    reqs = [Request(f"r{i}", p, SamplingParams(), max_tokens=3) for i, p in enumerate(prompts)]
+    for r in reqs:
+        scheduler.add_request(r)
+    sched, _ = step(scheduler, runner)
+    assert [n.num_computed_tokens for n in sched.scheduled_new_reqs] == [0, 12, 12]
+    assert sched.total_num_scheduled_tokens == 13 + 1 + 1
+    run_all(scheduler, runner, {})
+    assert scheduler.block_manager.stats.hit_rate == pytest.approx(24 / 39)
+    for r in reqs:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, 3, 64, None)
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_model_len = draw(st.integers(4, 40))
+    min_blocks = -(-max_model_len // block_size)
+    config = {
+        "block_size": block_size,
+        "max_model_len": max_model_len,
+        "max_num_seqs": draw(st.integers(1, 5)),
+        "budget": draw(st.integers(1, 32)),
+        "num_blocks": draw(st.integers(min_blocks, 3 * min_blocks)),
+        "caching": draw(st.booleans()),
+    }
+    tokens = st.integers(0, VOCAB - 1)
+    prefixes = draw(st.lists(st.lists(tokens, max_size=16), min_size=1, max_size=3))
+    requests = draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, 12),  # arrival step
+                st.integers(0, len(prefixes) - 1),  # shared prefix
+                st.lists(tokens, max_size=10),  # own suffix
+                st.integers(1, 16),  # max_tokens
+                st.one_of(st.none(), tokens),  # EOS
+            ),
+            min_size=1,
+            max_size=8,
+        )
+    )
+    return config, prefixes, requests
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_respect_budgets_and_finish_correctly(workload):
+    """Budgets are never exceeded, no block is leaked or wrongly shared (the fake runner reads every
+    context back through the block tables), and every request finishes with the tokens it would
+    produce alone."""
+    config, prefixes, specs = workload
+    scheduler, runner = make(**config)
+    arrivals: dict[int, list[Request]] = {}
+    for i, (arrival, prefix, suffix, max_tokens, eos) in enumerate(specs):
+        prompt = (prefixes[prefix] + suffix)[: config["max_model_len"] - 1] or [0]
+        request = Request(f"r{i}", prompt, SamplingParams(), max_tokens=max_tokens, eos_token_id=eos)
+        arrivals.setdefault(arrival, []).append(request)
+    run_all(scheduler, runner, arrivals)
+    for request in (r for rs in arrivals.values() for r in rs):
+        assert request.is_finished
+        expected = reference_output(
+            request.prompt_token_ids, request.max_tokens, config["max_model_len"], request.eos_token_id
+        )
+        assert request.output_token_ids == expected
