@@ -28,7 +28,7 @@ from jaxrunner.step_io import RunnerOutput, SchedulerOutput
 
 # Jitted once per process: runners with the same model config share compiled graphs.
 _write_blocks = jax.jit(write_block_rows, donate_argnums=0)
-_forward = jax.jit(forward_step, static_argnames="model", donate_argnums=1)
+_forward = jax.jit(forward_step, static_argnames=("model", "uniform_decode"), donate_argnums=1)
 _sample = jax.jit(sample_step, static_argnames="model", donate_argnums=1)
 
 
@@ -43,6 +43,8 @@ class Runner:
         self.params = params
         self._table = RequestTable.empty(config.max_num_seqs)
         self._rng = np.random.default_rng(config.seed)
+        # Only GPUs have a decode-specialised attention kernel; elsewhere one graph per bucket does.
+        self._decode_kernel = jax.default_backend() == "gpu"
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, config: RunnerConfig = RunnerConfig()) -> Runner:
@@ -83,7 +85,8 @@ class Runner:
         if dirty:
             slots, rows = block_table_rows(table, dirty, cfg, _bucket(len(dirty), cfg.request_buckets))
             state = _write_blocks(state, slots, rows)
-        last_hidden, state = _forward(self.params, state, token_inputs, model=self.model_config)
+        decode = self._decode_kernel and all(n == 1 for n in sched.num_scheduled_tokens.values())
+        last_hidden, state = _forward(self.params, state, token_inputs, model=self.model_config, uniform_decode=decode)
         tokens, state = _sample(self.params, state, last_hidden, sample_inputs, model=self.model_config)
 
         tokens = np.asarray(tokens)
@@ -94,8 +97,8 @@ class Runner:
             sampled_token_ids=[[int(tokens[i])] if rid in sampled else [] for i, rid in enumerate(order)],
         )
 
-    def compile_forward(self, state: RunnerState, num_tokens: int) -> jax.stages.Compiled:
+    def compile_forward(self, state: RunnerState, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""
         t_bucket = _bucket(num_tokens, self.config.token_buckets)
         token_inputs, _, _ = build_inputs(self._table, [], {}, self.config, t_bucket, 1)
-        return _forward.lower(self.params, state, token_inputs, model=self.model_config).compile()
+        return _forward.lower(self.params, state, token_inputs, model=self.model_config, uniform_decode=uniform_decode).compile()

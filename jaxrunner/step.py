@@ -1,8 +1,9 @@
 """The jitted device side of a step: three pure functions over the donated RunnerState.
 
 - `write_block_rows`: copy changed block-table rows in (only on steps where some request got blocks).
-- `forward_step` (one graph per token bucket): gather input ids, write KV, run the model, keep the
-  hidden state of each sequence's last token ([S] rows, S = max_num_seqs).
+- `forward_step` (one graph per token bucket, and one more per bucket that holds only decodes, for
+  the decode-specialised attention): gather input ids, write KV, run the model, keep the hidden
+  state of each sequence's last token ([S] rows, S = max_num_seqs).
 - `sample_step` (one graph per request bucket): logits for the batch's rows, sample, append the
   tokens that complete a request's known tokens to its row.
 Splitting at the last-token hidden states keeps the number of graphs at T + R, not T x R.
@@ -33,7 +34,9 @@ def write_block_rows(state: RunnerState, slots: jax.Array, rows: jax.Array) -> R
     return dataclasses.replace(state, block_table=table)
 
 
-def forward_step(params: Params, state: RunnerState, inp: TokenInputs, *, model: ModelConfig) -> tuple[jax.Array, RunnerState]:
+def forward_step(
+    params: Params, state: RunnerState, inp: TokenInputs, *, model: ModelConfig, uniform_decode: bool
+) -> tuple[jax.Array, RunnerState]:
     num_rows = state.token_ids.shape[0]
     block_size = state.kv[0][0].shape[1]
     rows = jnp.minimum(inp.token_rows, num_rows - 1)
@@ -49,7 +52,7 @@ def forward_step(params: Params, state: RunnerState, inp: TokenInputs, *, model:
         num_seqs=inp.num_seqs,
     )
     with jax.default_matmul_precision(matmul_precision(params)):
-        hidden, kv = forward(params, model, ids, inp.positions, state.kv, paged_attend(model, md))
+        hidden, kv = forward(params, model, ids, inp.positions, state.kv, paged_attend(model, md, uniform_decode=uniform_decode))
     last = hidden[jnp.maximum(inp.query_start_loc[1:] - 1, 0)]
     return last, dataclasses.replace(state, token_ids=token_ids, kv=kv)
 

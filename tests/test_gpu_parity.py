@@ -1,4 +1,5 @@
-"""GPU parity against Hugging Face transformers run directly in PyTorch on the same GPU.
+"""The runner on the GPU (Pallas kernels): parity against Hugging Face transformers in PyTorch on the
+same GPU, and a compiled step that never copies the KV cache.
 
 Run on the GPU machine: `PYTHONPATH=$PWD python3 -m pytest -m gpu tests/test_gpu_parity.py`.
 """
@@ -12,8 +13,10 @@ import numpy as np
 import pytest
 
 from driver import drive, prompt_logits
-from jaxrunner import Runner, RunnerConfig
+from jaxrunner import ModelConfig, Runner, RunnerConfig
 from jaxrunner.loader import load_model
+from jaxrunner.models.llama import init_params
+from jaxrunner.state import kv_cache_bytes
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -92,3 +95,17 @@ def test_bf16_logits_within_bf16_tolerance(medium_checkpoint):
         ours = np.linalg.norm(prompt_logits(cfg, params, prompt, chunk=48) - truth) / np.linalg.norm(truth)
         print(f"bf16 logits, {len(prompt)}-token prompt: relative error ours {ours:.2e}, HF bf16 {theirs:.2e}")
         assert ours < max(2 * theirs, 1e-2), f"bf16 relative error {ours:.2e} vs HF bf16 {theirs:.2e}"
+
+
+@pytest.mark.parametrize("uniform_decode", [False, True])
+def test_compiled_step_does_not_copy_the_kv_cache(uniform_decode):
+    model = ModelConfig("LlamaForCausalLM", vocab_size=32000, hidden_size=1024, intermediate_size=2048,
+                        num_layers=4, num_heads=32, num_kv_heads=8, head_dim=128)
+    config = RunnerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=4096, block_size=16,
+                          num_blocks=16384, dtype="bfloat16")
+    runner = Runner(model, init_params(model, jax.random.key(0), "bfloat16"), config)
+    stats = runner.compile_forward(runner.init_state(), 64 if uniform_decode else 512, uniform_decode).memory_analysis()
+    cache = kv_cache_bytes(model, config)
+    print(f"uniform_decode={uniform_decode}: temp {stats.temp_size_in_bytes / 2**20:.1f} MiB, cache {cache / 2**20:.0f} MiB")
+    assert stats.alias_size_in_bytes >= cache
+    assert stats.temp_size_in_bytes < cache / 10

@@ -1,0 +1,17 @@
+"""Pallas kernels for jaxrunner (GPU through the Triton lowering; interpret mode on CPU)."""
+
+from pallas_kernels.attention_kernel import KernelConfig
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_decode,
+    reference_ragged_paged_attention,
+)
+
+__all__ = [
+    "KernelConfig",
+    "ragged_paged_attention",
+    "ragged_paged_attention_decode",
+    "reference_ragged_paged_attention",
+    "write_kv",
+]

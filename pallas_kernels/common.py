@@ -1,0 +1,26 @@
+"""Small helpers shared by the kernels."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (Triton-lowered blocks must be powers of two)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def cdiv(a, b):
+    """Ceiling division; works on Python ints and on traced integer arrays alike."""
+    return (a + b - 1) // b
+
+
+def combine_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
+    """Merge flash-decoding partials: `out` [splits, T, Hq, D] (each split normalised on its own)
+    and `lse` [splits, T, Hq] (base-2 log-sum-exp, -inf for a split that saw no key)."""
+    m = lse.max(axis=0)
+    w = jnp.exp2(lse - jnp.where(m == -jnp.inf, 0.0, m))
+    den = w.sum(axis=0)
+    num = jnp.einsum("sthd,sth->thd", out, w, precision=jax.lax.Precision.HIGHEST)
+    return num / jnp.where(den == 0.0, 1.0, den)[..., None]

@@ -1,0 +1,242 @@
+"""Ragged paged attention: one call for a packed batch of prefill chunks and decodes.
+
+Inputs (see the runner's contract in DESIGN.md section 5):
+- `q` [T, Hq, D]: the step's query tokens, packed sequence after sequence;
+- `k_cache`, `v_cache` [num_blocks, block_size, Hkv, D]: one layer's paged cache, already holding
+  the KV of the step's tokens (`write_kv` runs first);
+- `query_start_loc` int32 [S+1]: sequence s owns tokens [qsl[s], qsl[s+1]); padded with the total;
+- `seq_lens` int32 [S]: context length of each sequence, the step's tokens included;
+- `block_tables` int32 [S, max_blocks]: key j of sequence s lives in page `block_tables[s, j // bs]`;
+- `num_seqs`: sequences >= num_seqs are padding; tokens past qsl[num_seqs] are padding (output 0).
+
+Sequence s's queries are its last q_len tokens: query i sits at position seq_lens[s] - q_len + i
+and sees keys j <= position (and j > position - sliding_window when set).
+
+Two entry points share one kernel (`attention_kernel.py`) and differ only in static tiling:
+- `ragged_paged_attention`: any mix; `block_q` tokens of one sequence per program (about 128 rows
+  with the GQA group), no KV split: built for prefill chunks, correct for everything;
+- `ragged_paged_attention_decode`: the decode specialisation for a batch where no sequence has more
+  than `queries_per_seq` query tokens (1, or 1 + k speculative drafts): one program per sequence and
+  KV head with as few padded rows as the dot allows, and the context split across programs
+  (flash-decoding) so that a small batch with a long context still fills the GPU. The runner calls
+  it when the step is a uniform decode. `impl="mosaic"` swaps in an experimental Mosaic GPU kernel
+  (TMA + wgmma, `mosaic_decode.py`) for the benchmark to weigh against the Triton-lowered one.
+
+Both take a `config` override (a `KernelConfig`) so benchmarks can sweep tilings.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.attention_kernel import AttentionSpec, KernelConfig, paged_attention_call
+from pallas_kernels.common import cdiv, combine_splits, next_pow2
+from pallas_kernels.mosaic_decode import default_mosaic_config, mosaic_decode_attention
+
+NUM_SMS = 132  # H200
+MIN_SPLIT_KEYS = 512  # a flash-decoding split never covers fewer keys than this
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    block_tables: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    config: KernelConfig | None = None,
+) -> jax.Array:
+    """Attention for a packed ragged batch (prefill chunks and decodes mixed); returns [T, Hq, D]."""
+    spec = _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap)
+    cfg = config or prefill_config(q.dtype, q.shape[2], spec.padded_group)
+    return _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
+                      spec=spec, cfg=cfg, interpret=interpret)
+
+
+def ragged_paged_attention_decode(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    block_tables: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    queries_per_seq: int = 1,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    config: KernelConfig | None = None,
+    impl: Literal["triton", "mosaic"] = "triton",
+) -> jax.Array:
+    """The decode specialisation: every sequence has at most `queries_per_seq` query tokens.
+
+    Same arguments and result as `ragged_paged_attention`. With `impl="triton"` (default) any
+    batch is handled correctly (a sequence with more query tokens than `block_q` only gets a worse
+    tiling). `impl="mosaic"` runs the experimental Mosaic GPU kernel (`mosaic_decode.py`), which
+    needs a uniform batch: sequence s < num_seqs owns exactly tokens [s * qps, (s + 1) * qps).
+    """
+    spec = _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap)
+    cfg = config or decode_config(
+        q.dtype, q.shape[2], spec.padded_group, queries_per_seq=queries_per_seq,
+        num_tokens=q.shape[0], num_kv_heads=k_cache.shape[2],
+        max_context=block_tables.shape[1] * k_cache.shape[1])
+    if impl == "mosaic":
+        return mosaic_decode_attention(
+            q, k_cache, v_cache, seq_lens, block_tables, num_seqs, sm_scale=spec.sm_scale,
+            queries_per_seq=queries_per_seq, sliding_window=sliding_window, soft_cap=spec.soft_cap,
+            cfg=default_mosaic_config(cfg.num_splits, cfg.min_split_blocks * cfg.block_k),
+            interpret=interpret)
+    if impl != "triton":
+        raise ValueError(f"unknown impl {impl!r}")
+    return _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
+                      spec=spec, cfg=cfg, interpret=interpret)
+
+
+def prefill_config(dtype, head_dim: int, padded_group: int) -> KernelConfig:
+    """Tiling for mixed/prefill batches: ~128 query rows (64 for D=256 or fp32) x 64 keys, 4 warps
+    (the H200 sweep in docs/benchmarks.md: 4 warps beat 8 by 25% on an 8k prefill)."""
+    big = head_dim > 128 or jnp.dtype(dtype) == jnp.float32
+    rows = 64 if big else 128
+    block_q = max(1, rows // padded_group)
+    return KernelConfig(block_q=block_q, block_k=32 if big else 64, num_warps=4, num_stages=2 if big else 3)
+
+
+def decode_config(dtype, head_dim: int, padded_group: int, *, queries_per_seq: int, num_tokens: int,
+                  num_kv_heads: int, max_context: int) -> KernelConfig:
+    """Tiling for decode: 16+ rows (the smallest dot), 64 keys, splits to reach ~16 programs/SM."""
+    big = head_dim > 128 or jnp.dtype(dtype) == jnp.float32
+    block_q = max(next_pow2(queries_per_seq), 16 // padded_group, 1)
+    block_k = 32 if big else 64
+    num_seqs_max = cdiv(num_tokens, queries_per_seq)
+    wanted = next_pow2(cdiv(16 * NUM_SMS, num_seqs_max * num_kv_heads))
+    num_splits = max(1, min(wanted, max_context // MIN_SPLIT_KEYS))
+    return KernelConfig(block_q=block_q, block_k=block_k, num_splits=num_splits,
+                        min_split_blocks=max(1, MIN_SPLIT_KEYS // block_k),
+                        num_warps=4, num_stages=2 if big else 3)
+
+
+def _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap) -> AttentionSpec:
+    num_q_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_q_heads % num_kv_heads or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {q.shape} does not fit the caches {k_cache.shape}, {v_cache.shape}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        # Casting here would copy the whole cache on every call.
+        raise ValueError(f"q and the caches must share a dtype: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if head_dim != next_pow2(head_dim) or block_size != next_pow2(block_size):
+        raise ValueError(f"head_dim {head_dim} and block_size {block_size} must be powers of two")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    group = num_q_heads // num_kv_heads
+    return AttentionSpec(sm_scale=float(sm_scale), group=group, padded_group=next_pow2(group),
+                         sliding_window=sliding_window,
+                         soft_cap=None if soft_cap is None else float(soft_cap))
+
+
+def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *, spec, cfg,
+               interpret):
+    work = _work_list(query_start_loc, seq_lens, num_seqs, num_tokens=q.shape[0], block_q=cfg.block_q)
+    out = paged_attention_call(work, q, k_cache, v_cache, block_tables.astype(jnp.int32), spec=spec,
+                               cfg=cfg, interpret=interpret)
+    if cfg.num_splits == 1:
+        return out
+    return combine_splits(*out).astype(q.dtype)
+
+
+def _work_list(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q: int) -> jax.Array:
+    """Cut every sequence's queries into blocks of <= block_q tokens: [num_work, 4] int32 rows of
+    (sequence, first token, end token, position of the first token).
+
+    The padding tail [total, T) is one more pseudo-sequence with no keys, so its tokens get zeros.
+    The list has a static length bounding the real count: ceil(T/block_q) + S + 1 (each sequence
+    adds at most one partial block) and T (each block holds a token); unused rows are empty. It
+    depends only on the batch layout, so XLA computes it once for all the layers of a step (CSE).
+    """
+    num_slots = seq_lens.shape[0]
+    qsl = query_start_loc.astype(jnp.int32)
+    live = jnp.arange(num_slots) < num_seqs
+    total = qsl[num_seqs]
+    starts = jnp.append(jnp.where(live, qsl[:-1], total), total)
+    lens = jnp.append(jnp.where(live, qsl[1:] - qsl[:-1], 0), num_tokens - total)
+    kv_lens = jnp.append(jnp.where(live, seq_lens.astype(jnp.int32), 0), 0)
+    blocks = cdiv(lens, block_q)
+    ends = jnp.cumsum(blocks)
+    num_work = min(num_tokens, cdiv(num_tokens, block_q) + num_slots + 1)
+    w = jnp.arange(num_work, dtype=jnp.int32)
+    # compare_all: one fused comparison instead of a loop of tiny kernels on the GPU.
+    seq = jnp.searchsorted(ends, w, side="right", method="compare_all")
+    seq = jnp.minimum(seq, num_slots).astype(jnp.int32)
+    used = w < ends[-1]
+    i = w - (ends[seq] - blocks[seq])
+    q_start = starts[seq] + i * block_q
+    q_end = jnp.minimum(q_start + block_q, starts[seq] + lens[seq])
+    pos0 = kv_lens[seq] - lens[seq] + i * block_q
+    table_row = jnp.where(seq < num_slots, seq, 0)
+    return jnp.stack([
+        jnp.where(used, table_row, 0),
+        jnp.where(used, q_start, 0),
+        jnp.where(used, q_end, 0),
+        jnp.where(used, pos0, 0),
+    ], axis=1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+def reference_ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    block_tables: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """Pure-jnp ragged paged attention: gathers every sequence's whole context, masks, softmaxes
+    in fp32. Memory is O(T * max_context * Hkv * D): for tests and small checks only."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_slots, max_blocks = block_tables.shape
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    group = num_q_heads // num_kv_heads
+    keys = jnp.arange(max_blocks * block_size)
+    pages = block_tables[:, keys // block_size]
+    in_context = (keys[None, :] < seq_lens[:, None])[:, :, None, None]
+    # Zero what lies past each context so that unwritten (even NaN) cache rows cannot leak in.
+    k_seq = jnp.where(in_context, k_cache[pages, keys % block_size].astype(jnp.float32), 0.0)
+    v_seq = jnp.where(in_context, v_cache[pages, keys % block_size].astype(jnp.float32), 0.0)
+
+    qsl = query_start_loc
+    t = jnp.arange(num_tokens)
+    seq = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right"), num_slots - 1)
+    token_ok = t < qsl[num_seqs]
+    pos = seq_lens[seq] - (qsl[seq + 1] - qsl[seq]) + (t - qsl[seq])
+    visible = (keys[None, :] <= pos[:, None]) & token_ok[:, None]
+    if sliding_window is not None:
+        visible &= keys[None, :] > pos[:, None] - sliding_window
+
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("tkgd,tlkd->tkgl", qg, k_seq[seq], precision=hi) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
+    den = p.sum(axis=-1, keepdims=True)
+    p = p / jnp.where(den == 0.0, 1.0, den)
+    out = jnp.einsum("tkgl,tlkd->tkgd", p, v_seq[seq], precision=hi)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

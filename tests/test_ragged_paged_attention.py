@@ -1,0 +1,268 @@
+"""Ragged paged attention and the KV write, on CPU: Pallas interpret mode against the references.
+
+Interpret mode starts every output as NaN, and `pallas_kernels.testing.make_batch` poisons the cache
+and the padding queries with NaN, so an unwritten output or a stray read fails the comparison.
+Each configuration compiles once (compilation dominates: XLA optimisations are switched off for
+this module) and then runs several fresh random batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels import (
+    KernelConfig,
+    ragged_paged_attention,
+    ragged_paged_attention_decode,
+    reference_ragged_paged_attention,
+    write_kv,
+)
+from pallas_kernels.testing import make_batch, naive_attention
+
+ENTRIES = {"ragged": ragged_paged_attention, "decode": ragged_paged_attention_decode}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compiles():
+    old = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
+@functools.cache
+def _kernel_fn(entry: str, **static):
+    return jax.jit(functools.partial(ENTRIES[entry], interpret=True, **static))
+
+
+@functools.cache
+def _reference_fn(**static):
+    return functools.partial(reference_ragged_paged_attention, **static)
+
+
+def _check(batch, out, want, dtype):
+    out = np.asarray(out.astype(jnp.float32))
+    total = batch.total
+    assert not np.isnan(out[:total]).any(), "unwritten or poisoned output"
+    np.testing.assert_array_equal(out[total:], 0.0)  # padding tokens come out as zeros
+    tol = 1e-4 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(out[:total], np.asarray(want, np.float32)[:total], atol=tol, rtol=tol)
+
+
+def _run_and_check(batch, dtype, entries=("ragged", "decode"), queries_per_seq=None, config=None,
+                   **static):
+    want = _reference_fn(**static)(*batch.args)
+    if queries_per_seq is not None:
+        static["queries_per_seq"] = queries_per_seq
+    if config is not None:
+        static["config"] = config
+    for entry in entries:
+        _check(batch, _kernel_fn(entry, **static)(*batch.args), want, dtype)
+
+
+# (dtype, head_dim, page size, kv heads, GQA group, sliding window, soft cap): every head dim and
+# page size in both dtypes; groups 1 (MHA), 2, 4, 8, and 3 and 7 (padded to a power of two);
+# windows narrower than a page and wider than several; soft-caps alone and with a window.
+CASES = [
+    (jnp.float32, 64, 16, 2, 4, None, None),
+    (jnp.bfloat16, 128, 32, 1, 8, 5, None),
+    (jnp.float32, 256, 64, 2, 1, None, 5.0),
+    (jnp.bfloat16, 64, 64, 2, 7, 40, 5.0),
+    (jnp.bfloat16, 256, 16, 1, 2, None, None),
+    (jnp.float32, 128, 32, 2, 3, 24, None),
+]
+DECODE_CASES = (0, 3, 4)
+
+
+def _case_id(case):
+    dtype, head_dim, block_size, _, group, window, cap = case
+    return f"{jnp.dtype(dtype).name}-d{head_dim}-p{block_size}-g{group}-win{window}-cap{cap}"
+
+
+def _shape_kwargs(dtype, head_dim, block_size, num_kv_heads, group):
+    return dict(dtype=dtype, head_dim=head_dim, block_size=block_size, num_kv_heads=num_kv_heads,
+                group=group, max_blocks=max(2, 256 // block_size))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_random_ragged_batches(case):
+    """Mixed batches (decodes, prefill chunks, whole and one-token prompts, drafts), fresh lengths
+    per batch; the second batch fills T exactly (no padding tail)."""
+    dtype, head_dim, block_size, num_kv_heads, group, window, cap = case
+    kw = _shape_kwargs(dtype, head_dim, block_size, num_kv_heads, group)
+    index = CASES.index(case)
+    # The decode entry runs the same kernel with another tiling: half the cases are enough for it.
+    entries = ("ragged", "decode") if index in DECODE_CASES else ("ragged",)
+    for i in range(2):
+        batch = make_batch(100 * index + i, fill=i == 1,
+                           q_scale=1.0 if cap is None else 4.0, **kw)  # large logits: the cap bites
+        _run_and_check(batch, dtype, entries=entries, sm_scale=1 / math.sqrt(head_dim),
+                       sliding_window=window, soft_cap=cap)
+
+
+def test_uniform_speculative_decode():
+    """Every sequence verifies 1 + 2 drafts: the decode entry's own case."""
+    rng = np.random.default_rng(31)
+    num_live = 5
+    kw = _shape_kwargs(jnp.bfloat16, 128, 16, 2, 4)
+    for _ in range(2):
+        ctx = [int(c) for c in rng.integers(3, 250, num_live)]
+        batch = make_batch(int(rng.integers(1 << 30)), q_lens=[3] * num_live, ctx_lens=ctx,
+                           num_tokens=32, **kw)
+        _run_and_check(batch, jnp.bfloat16, entries=("decode",), sm_scale=0.1, queries_per_seq=3)
+
+
+def test_split_kv():
+    """Flash-decoding splits (forced small, so short contexts split too) and their combine."""
+    kw = _shape_kwargs(jnp.float32, 64, 16, 2, 4)
+    config = KernelConfig(block_q=4, block_k=16, num_splits=4, min_split_blocks=1)
+    for seed in (41, 42):
+        batch = make_batch(seed, **kw)
+        _run_and_check(batch, jnp.float32, entries=("decode",), sm_scale=0.125, config=config)
+
+
+@pytest.mark.parametrize("head_dim,block_size,group,queries_per_seq,window,cap,splits", [
+    (128, 64, 4, 1, None, None, 4),  # Llama-3-8B-like heads, KV split 4 ways
+    (64, 16, 3, 2, 30, 5.0, 1),  # 1 + 1 draft, 4 pages per key block, window and soft cap
+])
+def test_mosaic_decode(head_dim, block_size, group, queries_per_seq, window, cap, splits):
+    """The experimental Mosaic GPU decode kernel (TMA + wgmma), in Mosaic GPU interpret mode. Its
+    cache poison is a huge finite value: it requires finite rows past each context."""
+    lens = [130, queries_per_seq, 77, 256]
+    batch = make_batch(91 + head_dim, dtype=jnp.bfloat16, head_dim=head_dim, block_size=block_size,
+                       num_kv_heads=1, group=group, num_tokens=16, max_blocks=256 // block_size,
+                       q_lens=[queries_per_seq] * len(lens), ctx_lens=lens, poison=1e30)
+    static = dict(sm_scale=0.1, sliding_window=window, soft_cap=cap)
+    want = _reference_fn(**static)(*batch.args)
+    config = KernelConfig(block_q=4, block_k=64, num_splits=splits, min_split_blocks=1)
+    out = ragged_paged_attention_decode(*batch.args, queries_per_seq=queries_per_seq, config=config,
+                                        impl="mosaic", interpret=True, **static)
+    _check(batch, out, want, jnp.bfloat16)
+
+
+def test_edge_batches():
+    """No live sequence at all; a lone one-token prompt; a batch with no padding tail."""
+    kw = _shape_kwargs(jnp.float32, 64, 16, 2, 4)
+    batches = [
+        make_batch(51, q_lens=[], ctx_lens=[], **kw),
+        make_batch(52, q_lens=[1], ctx_lens=[1], **kw),
+        make_batch(53, q_lens=[40, 24], ctx_lens=[40, 200], **kw),
+    ]
+    for batch in batches:
+        _run_and_check(batch, jnp.float32, sm_scale=0.125, sliding_window=None, soft_cap=None)
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (7, 3.0)])
+def test_reference_matches_naive_loop(window, cap):
+    batch = make_batch(61, **_shape_kwargs(jnp.float32, 64, 16, 2, 3))
+    static = dict(sm_scale=0.2, sliding_window=window, soft_cap=cap)
+    got = np.asarray(_reference_fn(**static)(*batch.args))
+    want = naive_attention(batch, **static)
+    np.testing.assert_allclose(got[: batch.total], want[: batch.total], atol=1e-5, rtol=1e-5)
+
+
+def test_interpret_mode_poisons_outputs():
+    """The premise of the unwritten-output checks: interpret mode starts outputs as NaN."""
+    def kernel(x_ref, o_ref):
+        del x_ref, o_ref
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 16), jnp.float32),
+                         interpret=True)(jnp.ones((8, 16)))
+    assert np.isnan(np.asarray(out)).all()
+
+
+# ---------------------------------------------------------------------------------- KV write
+
+def _kv_write_case(seed, num_blocks=12, block_size=16, num_kv_heads=3, head_dim=64, num_tokens=16):
+    rng = np.random.default_rng(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [np.full(shape, np.nan, np.float32) for _ in range(2)]  # poisoned, aliased outputs
+    new = [rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32) for _ in range(2)]
+    slots = rng.choice(num_blocks * block_size, num_tokens, replace=False).astype(np.int32)
+    slots[rng.random(num_tokens) < 0.3] = -1
+    return caches, new, slots
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_write_kv_writes_exactly_the_slots(impl):
+    fn = jax.jit(functools.partial(write_kv, interpret=True, impl=impl), donate_argnums=(0, 1))
+    for seed in (71, 72):
+        (k_cache, v_cache), (k, v), slots = _kv_write_case(seed)
+        got = fn(jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(k), jnp.asarray(v),
+                 jnp.asarray(slots))
+        for cache, rows, out in zip((k_cache, v_cache), (k, v), got):
+            want = cache.reshape(-1, *cache.shape[2:]).copy()
+            want[slots[slots >= 0]] = rows[slots >= 0]
+            np.testing.assert_array_equal(np.asarray(out).reshape(want.shape), want)
+
+
+def _memory(fn, *args, donate):
+    compiled = jax.jit(fn, donate_argnums=(0, 1) if donate else ()).lower(*args).compile()
+    return compiled.memory_analysis()
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_write_kv_in_place(impl):
+    """Donated caches are aliased to the outputs with no cache-sized temporary; without donation
+    the same measurement sees two fresh caches (so it would catch a copy)."""
+    cache = jnp.zeros((1024, 16, 2, 64), jnp.float32)
+    new_kv = jnp.ones((64, 2, 64), jnp.float32)
+    slots = jnp.arange(64, dtype=jnp.int32)
+    fn = functools.partial(write_kv, interpret=True, impl=impl)
+    donated = _memory(fn, cache, cache + 1, new_kv, new_kv, slots, donate=True)
+    assert donated.alias_size_in_bytes >= 2 * cache.nbytes
+    assert donated.temp_size_in_bytes < cache.nbytes // 8
+    kept = _memory(fn, cache, cache + 1, new_kv, new_kv, slots, donate=False)
+    assert kept.alias_size_in_bytes == 0 and kept.output_size_in_bytes >= 2 * cache.nbytes
+
+
+def test_step_updates_cache_in_place():
+    """write_kv then attention with the caches donated, as in the runner's step: no cache copy."""
+    batch = make_batch(81, **_shape_kwargs(jnp.float32, 64, 16, 2, 4))
+    cache = jnp.zeros((1024, 16, 2, 64), jnp.float32)
+    new_kv = jnp.ones((batch.q.shape[0], 2, 64), jnp.float32)
+    slots = jnp.arange(batch.q.shape[0], dtype=jnp.int32)
+
+    def step(k_cache, v_cache, q, *rest):
+        k_cache, v_cache = write_kv(k_cache, v_cache, new_kv, new_kv, slots, interpret=True)
+        out = ragged_paged_attention_decode(q, k_cache, v_cache, *rest, sm_scale=0.125,
+                                            interpret=True)
+        return k_cache, v_cache, out
+
+    donated = _memory(step, cache, cache + 1, batch.q, *batch.args[3:], donate=True)
+    assert donated.alias_size_in_bytes >= 2 * cache.nbytes
+    assert donated.temp_size_in_bytes < cache.nbytes // 8
+
+
+# ------------------------------------------------------------------- GPU lowering, checked on CPU
+
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_size,group", [
+    (jnp.bfloat16, 128, 16, 4), (jnp.float32, 256, 64, 7)])
+def test_lowers_to_triton_for_h200(dtype, head_dim, block_size, group):
+    """The Pallas -> Triton lowering of both entries and the KV write (the part jax runs; XLA
+    compiles the Triton IR later, on the GPU)."""
+    num_tokens, num_slots, num_kv_heads = 256, 64, 2
+    sds = jax.ShapeDtypeStruct
+    cache = sds((999, block_size, num_kv_heads, head_dim), dtype)
+    args = (sds((num_tokens, num_kv_heads * group, head_dim), dtype), cache, cache,
+            sds((num_slots + 1,), jnp.int32), sds((num_slots,), jnp.int32),
+            sds((num_slots, 64), jnp.int32), sds((), jnp.int32))
+    kv = sds((num_tokens, num_kv_heads, head_dim), dtype)
+    fns = [(functools.partial(entry, sm_scale=0.1, sliding_window=100, soft_cap=30.0), args)
+           for entry in ENTRIES.values()]
+    fns.append((write_kv, (cache, cache, kv, kv, sds((num_tokens,), jnp.int32))))
+    for fn, fn_args in fns:
+        with jax.sharding.use_abstract_mesh(H200):
+            text = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text
