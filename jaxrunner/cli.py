@@ -3,6 +3,7 @@
     jaxrunner generate "Hello, my name is"                       # built-in tiny model, no download
     jaxrunner generate --model DIR --temperature 0 --max-tokens 64 "Hello" "Bonjour"
     jaxrunner generate --model DIR --stream "Once upon a time"
+    jaxrunner generate --temperature 0 --logprobs 3 --prompt-logprobs 1 "Hello"   # one line per token
 
 Engine and sampling flags keep vLLM's names (--max-model-len, --max-num-seqs, --max-tokens, --top-p,
 --stop, ...). Sampling flags left out keep SamplingParams' defaults.
@@ -32,6 +33,8 @@ SAMPLING_FLAGS = (
     ("stop_token_ids", int, "stop token ids"),
     ("ignore_eos", None, "keep generating after EOS"),
     ("include_stop_str_in_output", None, "keep the matched stop string in the text"),
+    ("logprobs", int, "print each output token's logprob and rank, and the N likeliest tokens"),
+    ("prompt_logprobs", int, "print each prompt token's logprob and rank, and the N likeliest tokens"),
 )
 ENGINE_FLAGS = (
     ("tokenizer", str, "tokenizer directory (default: the model's)"),
@@ -87,21 +90,48 @@ def generate(args: argparse.Namespace) -> int:
         **_given(args, ENGINE_FLAGS),
     )
     if args.stream:
-        final = None
+        final, prompt_logprobs, token_ids, logprobs = None, None, [], []
         for out in llm.generate_stream(args.prompts[0], params):
             print("".join(c.text for c in out.outputs), end="", flush=True)
-            final = out
+            final, prompt_logprobs = out, prompt_logprobs or out.prompt_logprobs
+            for c in out.outputs:
+                token_ids += c.token_ids
+                logprobs += c.logprobs or []
         print()
+        _print_logprobs(f"Prompt logprobs of {final.prompt!r}", final.prompt_token_ids, prompt_logprobs)
+        _print_logprobs("Logprobs", token_ids, logprobs)
         return _report_error(final)
     status = 0
     for out in llm.generate(args.prompts, params, use_tqdm=False):
         if _report_error(out):
             status = 1
             continue
+        _print_logprobs(f"Prompt logprobs of {out.prompt!r}", out.prompt_token_ids, out.prompt_logprobs)
         for c in out.outputs:
             label = "Generated text" if len(out.outputs) == 1 else f"Generated text [{c.index}]"
             print(f"Prompt: {out.prompt!r}, {label}: {c.text!r} ({c.finish_reason})")
+            _print_logprobs("Logprobs", c.token_ids, c.logprobs)
     return status
+
+
+def _print_logprobs(title: str, token_ids: list[int], logprobs: list | None) -> None:
+    """One line per token: `'tok' -0.1234 (rank 1) | 'a' -2.5000, 'b' -3.0000` (the other top tokens).
+    The first prompt token has no logprob and no line."""
+    if not logprobs:
+        return
+    print(f"{title}:")
+    for token_id, entries in zip(token_ids, logprobs):
+        if entries is None:
+            continue
+        chosen = entries[token_id]
+        line = f"  {_token(token_id, chosen)} {chosen.logprob:.4f} (rank {chosen.rank})"
+        others = [f"{_token(t, lp)} {lp.logprob:.4f}" for t, lp in entries.items() if t != token_id]
+        print(line + (" | " + ", ".join(others) if others else ""))
+
+
+def _token(token_id: int, logprob) -> str:
+    """The token's text, or its id when there is no tokenizer."""
+    return str(token_id) if logprob.decoded_token is None else repr(logprob.decoded_token)
 
 
 def _given(args: argparse.Namespace, flags: tuple) -> dict:

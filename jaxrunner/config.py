@@ -135,7 +135,8 @@ class RunnerConfig:
     """Sizes of the runner.
 
     `max_num_seqs` request slots, each up to `max_model_len` tokens; at most `max_num_batched_tokens`
-    tokens per step; a paged KV cache of `num_blocks` blocks of `block_size` tokens.
+    tokens per step; a paged KV cache of `num_blocks` blocks of `block_size` tokens. Requests may
+    ask for up to `max_logprobs` logprobs (-1: the whole vocabulary), reported per `logprobs_mode`.
     """
 
     max_num_seqs: int = 8
@@ -145,6 +146,8 @@ class RunnerConfig:
     num_blocks: int = 256
     dtype: str = "float32"
     seed: int = 0
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
     token_buckets: tuple[int, ...] = field(default=())
     request_buckets: tuple[int, ...] = field(default=())
 
@@ -154,6 +157,9 @@ class RunnerConfig:
                 raise ValueError(f"RunnerConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"RunnerConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        modes = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+        if self.logprobs_mode not in modes:
+            raise ValueError(f"RunnerConfig.logprobs_mode must be one of {', '.join(modes)}, got {self.logprobs_mode!r}")
         if not self.token_buckets:
             lo = min(16, self.max_num_batched_tokens)
             object.__setattr__(self, "token_buckets", _powers_of_two(lo, self.max_num_batched_tokens))

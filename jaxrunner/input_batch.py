@@ -13,7 +13,15 @@ import numpy as np
 
 from jaxrunner.config import RunnerConfig
 from jaxrunner.pytree import pytree_dataclass
-from jaxrunner.sampler import SamplingMetadata
+from jaxrunner.sampling import (
+    RequestSampling,
+    SamplerConfig,
+    SamplerFlags,
+    SamplingMetadata,
+    build_sampling_metadata,
+    flag_variants,
+    prepare_request,
+)
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.step_io import SchedulerOutput
 
@@ -25,7 +33,7 @@ class RequestRow:
     prefill_token_ids: tuple[int, ...]  # prompt, plus earlier outputs for a resumed request
     prompt_len: int
     sampling_params: SamplingParams
-    seed: int  # 64-bit
+    sampling: RequestSampling  # the parameters packed for the sampler, with the request's 64-bit seed
     block_ids: tuple[int, ...]
     num_computed: int  # tokens whose KV is in the cache
     num_tokens: int  # tokens known so far: prefill + sampled
@@ -41,23 +49,27 @@ class RequestTable:
         return cls({}, tuple(range(max_num_seqs)))
 
     def apply(
-        self, sched: SchedulerOutput, cfg: RunnerConfig, vocab_size: int, rng: np.random.Generator
+        self, sched: SchedulerOutput, cfg: RunnerConfig, sampler: SamplerConfig, rng: np.random.Generator
     ) -> tuple[RequestTable, list[str]]:
         """The table after `sched`, and the requests whose block-table rows changed."""
-        _check(self, sched, cfg, vocab_size)
+        _check(self, sched, cfg, sampler.vocab_size)
+        packed = [
+            prepare_request(n.sampling_params, 0, len(n.prompt_token_ids), sampler) for n in sched.scheduled_new_reqs
+        ]
         gone = (set(sched.finished_req_ids) | set(sched.preempted_req_ids)) & self.rows.keys()
         rows = {rid: row for rid, row in self.rows.items() if rid not in gone}
         free = list(self.free_slots) + sorted(self.rows[rid].slot for rid in gone)
-        for new in sched.scheduled_new_reqs:
+        for new, sampling in zip(sched.scheduled_new_reqs, packed):
             sp = new.sampling_params
             prefill = tuple(new.all_prefill_token_ids)
+            seed = int(rng.integers(0, 2**63)) if sp.seed is None else sp.seed
             rows[new.req_id] = RequestRow(
                 req_id=new.req_id,
                 slot=free.pop(0),
                 prefill_token_ids=prefill,
                 prompt_len=len(new.prompt_token_ids),
                 sampling_params=sp,
-                seed=int(rng.integers(0, 2**63)) if sp.seed is None else sp.seed,
+                sampling=replace(sampling, seed=seed),
                 block_ids=tuple(new.block_ids[0]),
                 num_computed=new.num_computed_tokens,
                 num_tokens=len(prefill),
@@ -163,6 +175,7 @@ class SampleInputs:
     """Per-request ([B]) inputs of the logits + sampler step."""
 
     commit_rows: np.ndarray  # i32 [B]; slot to append the sampled token to; max_num_seqs: discard
+    history_rows: np.ndarray  # i32 [B]; slot whose token row penalties and bad words read
     sampling: SamplingMetadata
 
 
@@ -173,9 +186,15 @@ def batch_order(table: RequestTable, sched: SchedulerOutput) -> list[str]:
 
 
 def build_inputs(
-    table: RequestTable, order: list[str], scheduled: dict[str, int], cfg: RunnerConfig, t_bucket: int, b_bucket: int
-) -> tuple[TokenInputs, SampleInputs, set[str]]:
-    """Padded arrays for one step, and the requests that sample a token this step."""
+    table: RequestTable,
+    order: list[str],
+    scheduled: dict[str, int],
+    cfg: RunnerConfig,
+    sampler: SamplerConfig,
+    t_bucket: int,
+    b_bucket: int,
+) -> tuple[TokenInputs, SampleInputs, SamplerFlags, set[str]]:
+    """Padded arrays for one step, the sampler's static flags, and the requests that sample a token."""
     r, s = cfg.max_num_seqs, cfg.max_num_seqs
     token_ids = np.full(t_bucket, -1, np.int32)
     token_rows = np.full(t_bucket, r, np.int32)
@@ -184,19 +203,15 @@ def build_inputs(
     seq_lens = np.zeros(s, np.int32)
     seq_rows = np.zeros(s, np.int32)
     commit_rows = np.full(b_bucket, r, np.int32)
-    temperature = np.zeros(b_bucket, np.float32)
-    seeds = np.zeros((b_bucket, 2), np.uint32)
-    sample_pos = np.zeros(b_bucket, np.int32)
     sampled = set()
     start = 0
     for i, rid in enumerate(order):
         row, n = table.rows[rid], scheduled[rid]
         end = row.num_computed + n
-        pos = np.arange(row.num_computed, end, dtype=np.int32)
         from_host = row.prefill_token_ids[row.num_computed : end]  # the rest are sampled tokens, on the device
         token_ids[start : start + len(from_host)] = from_host
         token_rows[start : start + n] = row.slot
-        positions[start : start + n] = pos
+        positions[start : start + n] = np.arange(row.num_computed, end, dtype=np.int32)
         start += n
         qsl[i + 1] = start
         seq_lens[i] = end
@@ -204,13 +219,12 @@ def build_inputs(
         if end == row.num_tokens:
             sampled.add(rid)
             commit_rows[i] = row.slot
-        temperature[i] = 0.0 if row.sampling_params.greedy else row.sampling_params.temperature
-        seeds[i] = (row.seed >> 32, row.seed & 0xFFFFFFFF)
-        sample_pos[i] = end
     qsl[len(order) + 1 :] = start
     tokens = TokenInputs(token_ids, token_rows, positions, qsl, seq_lens, seq_rows, np.int32(len(order)))
-    sampling = SamplingMetadata(temperature=temperature, seeds=seeds, positions=sample_pos)
-    return tokens, SampleInputs(commit_rows, sampling), sampled
+    md, flags = build_sampling_metadata(
+        [table.rows[rid].sampling for rid in order], seq_lens[: len(order)], b_bucket, sampler, flag_variants(sampler)
+    )
+    return tokens, SampleInputs(commit_rows, seq_rows[:b_bucket], md), flags, sampled
 
 
 def block_table_rows(table: RequestTable, req_ids: list[str], cfg: RunnerConfig, bucket: int) -> tuple[np.ndarray, np.ndarray]:

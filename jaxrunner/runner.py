@@ -4,7 +4,8 @@ One step, top to bottom:
   1. check the SchedulerOutput and build the next host request table (a ValueError changes nothing);
   2. pad the batch to a token bucket and a request bucket and build the step's arrays;
   3. on the device (state donated): write changed block-table rows, run the backbone over the packed
-     tokens with paged attention, then logits and sampling for the batch's rows;
+     tokens with paged attention, then logits and sampling for the batch's rows (and prompt
+     logprobs for requests that ask for them);
   4. read the sampled tokens back and advance the table.
 """
 
@@ -20,16 +21,21 @@ from jaxrunner.config import ModelConfig, RunnerConfig
 from jaxrunner.input_batch import RequestTable, batch_order, block_table_rows, build_inputs
 from jaxrunner.loader import load_model
 from jaxrunner.models.llama import Params
+from jaxrunner.sampling import LogprobsArrays, PromptLogprobsBuffer, SamplerConfig, prepare_request, prompt_logprob_positions
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.state import RunnerState, init_state
-from jaxrunner.step import forward_step, sample_step, write_block_rows
+from jaxrunner.step import forward_step, prompt_logprobs_step, sample_step, write_block_rows
 from jaxrunner.step_io import RunnerOutput, SchedulerOutput
 
 
 # Jitted once per process: runners with the same model config share compiled graphs.
 _write_blocks = jax.jit(write_block_rows, donate_argnums=0)
 _forward = jax.jit(forward_step, static_argnames=("model", "uniform_decode"), donate_argnums=1)
-_sample = jax.jit(sample_step, static_argnames="model", donate_argnums=1)
+_sample = jax.jit(sample_step, static_argnames=("model", "flags"), donate_argnums=1)
+_prompt_logprobs = jax.jit(prompt_logprobs_step, static_argnames=("model", "num_top", "as_logits"))
+
+# Prompt positions scored per device call: bounds the [rows, vocab] logits of long prompts.
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -41,7 +47,14 @@ class Runner:
         self.model_config = model_config
         self.config = config
         self.params = params
+        self.sampler_config = SamplerConfig(
+            vocab_size=model_config.vocab_size,
+            max_logprobs=config.max_logprobs,
+            logprobs_mode=config.logprobs_mode,
+            eos_token_ids=model_config.eos_token_ids,
+        )
         self._table = RequestTable.empty(config.max_num_seqs)
+        self._prompt_logprobs = PromptLogprobsBuffer()
         self._rng = np.random.default_rng(config.seed)
         # Only GPUs have a decode-specialised attention kernel; elsewhere one graph per bucket does.
         self._decode_kernel = jax.default_backend() == "gpu"
@@ -55,50 +68,98 @@ class Runner:
         return init_state(self.model_config, self.config)
 
     def check_sampling_params(self, params: SamplingParams, prompt_len: int = 0) -> None:
-        """Raise a ValueError for sampling features this runner does not honour yet."""
-        defaults = SamplingParams()
-        unsupported = [
-            name
-            for name in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                         "logit_bias", "allowed_token_ids", "bad_words", "min_tokens", "logprobs", "prompt_logprobs")
-            if getattr(params, name) != getattr(defaults, name)
-        ]
-        if unsupported:
-            raise ValueError(
-                f"sampling parameters {', '.join(unsupported)} are not supported by this runner yet; "
-                "use temperature and seed only"
-            )
+        """Raise a ValueError for parameters this model or runner rules out (token ids, logprob counts)."""
+        prepare_request(params, 0, prompt_len, self.sampler_config)
 
     def step(self, state: RunnerState, sched: SchedulerOutput) -> tuple[RunnerState, RunnerOutput]:
         cfg = self.config
-        for new in sched.scheduled_new_reqs:
-            self.check_sampling_params(new.sampling_params)
-        table, dirty = self._table.apply(sched, cfg, self.model_config.vocab_size, self._rng)
+        table, dirty = self._table.apply(sched, cfg, self.sampler_config, self._rng)
+        for rid in sched.finished_req_ids | sched.preempted_req_ids:
+            self._prompt_logprobs.discard(rid)
         order = batch_order(table, sched)
         if not order:
             self._table = table
             return state, RunnerOutput([], {}, [])
 
+        scheduled = sched.num_scheduled_tokens
         t_bucket = _bucket(sched.total_num_scheduled_tokens, cfg.token_buckets)
         b_bucket = _bucket(len(order), cfg.request_buckets)
-        token_inputs, sample_inputs, sampled = build_inputs(table, order, sched.num_scheduled_tokens, cfg, t_bucket, b_bucket)
+        token_inputs, sample_inputs, flags, sampled = build_inputs(
+            table, order, scheduled, cfg, self.sampler_config, t_bucket, b_bucket
+        )
         if dirty:
             slots, rows = block_table_rows(table, dirty, cfg, _bucket(len(dirty), cfg.request_buckets))
             state = _write_blocks(state, slots, rows)
-        decode = self._decode_kernel and all(n == 1 for n in sched.num_scheduled_tokens.values())
-        last_hidden, state = _forward(self.params, state, token_inputs, model=self.model_config, uniform_decode=decode)
-        tokens, state = _sample(self.params, state, last_hidden, sample_inputs, model=self.model_config)
+        decode = self._decode_kernel and all(n == 1 for n in scheduled.values())
+        last_hidden, hidden, state = _forward(self.params, state, token_inputs, model=self.model_config, uniform_decode=decode)
+        out, state = _sample(self.params, state, last_hidden, sample_inputs, model=self.model_config, flags=flags)
+        prompt_logprobs = self._score_prompts(table, order, scheduled, hidden)
 
-        tokens = np.asarray(tokens)
-        self._table = table.after_sampling(sched.num_scheduled_tokens, sampled)
+        out = jax.device_get(out)
+        self._table = table.after_sampling(scheduled, sampled)
+        logprobs = {}
+        for i, rid in enumerate(order):
+            wanted = table.rows[rid].sampling.num_logprobs
+            if rid in sampled and wanted >= 0:
+                rows = LogprobsArrays(out.logprob_token_ids[i : i + 1], out.logprobs[i : i + 1], out.ranks[i : i + 1])
+                logprobs[rid] = rows.select(slice(None), wanted)
         return state, RunnerOutput(
             req_ids=order,
             req_id_to_index={rid: i for i, rid in enumerate(order)},
-            sampled_token_ids=[[int(tokens[i])] if rid in sampled else [] for i, rid in enumerate(order)],
+            sampled_token_ids=[[int(out.tokens[i])] if rid in sampled else [] for i, rid in enumerate(order)],
+            logprobs=logprobs,
+            prompt_logprobs_dict=prompt_logprobs,
+            num_nans_in_logits={rid: int(out.num_nans[i]) for i, rid in enumerate(order)},
         )
+
+    def _score_prompts(
+        self, table: RequestTable, order: list[str], scheduled: dict[str, int], hidden: jax.Array
+    ) -> dict[str, LogprobsArrays]:
+        """Prompt logprobs of this step's chunks; a request's whole prompt is returned once, when complete.
+
+        The logits at position p score prompt token p + 1, so they come from the backbone's hidden
+        states of this step's tokens; a resumed request (prompt + outputs as prefill) already had
+        them and scores none.
+        """
+        wanting = []
+        rows, targets = [], []
+        start = 0
+        for rid in order:
+            row, n = table.rows[rid], scheduled[rid]
+            resumed = len(row.prefill_token_ids) > row.prompt_len
+            if row.sampling_params.prompt_logprobs is not None and row.num_computed < row.prompt_len and not resumed:
+                positions = prompt_logprob_positions(row.prompt_len, len(row.prefill_token_ids), row.num_computed, n)
+                wanting.append((rid, len(rows), len(positions)))
+                rows += [start + p - row.num_computed for p in positions]
+                targets += [row.prefill_token_ids[p + 1] for p in positions]
+            start += n
+        if not wanting:
+            return {}
+        mode = self.config.logprobs_mode
+        parts = []
+        for lo in range(0, max(len(rows), 1), PROMPT_LOGPROBS_CHUNK):
+            chunk_rows = np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32)
+            chunk_targets = np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32)
+            chunk_rows[: len(rows[lo : lo + PROMPT_LOGPROBS_CHUNK])] = rows[lo : lo + PROMPT_LOGPROBS_CHUNK]
+            chunk_targets[: len(targets[lo : lo + PROMPT_LOGPROBS_CHUNK])] = targets[lo : lo + PROMPT_LOGPROBS_CHUNK]
+            values, ids, ranks = _prompt_logprobs(
+                self.params, hidden, chunk_rows, chunk_targets, model=self.model_config,
+                num_top=self.sampler_config.logprobs_width, as_logits=mode.endswith("logits"),
+            )
+            parts.append(LogprobsArrays(np.asarray(ids), np.asarray(values), np.asarray(ranks)))
+        scored = LogprobsArrays.concat(parts)
+        done = {}
+        for rid, lo, count in wanting:
+            row = table.rows[rid]
+            num_top = row.sampling_params.prompt_logprobs
+            part = scored.select(slice(lo, lo + count), self.sampler_config.vocab_size if num_top == -1 else num_top)
+            complete = self._prompt_logprobs.add(rid, part, row.num_computed + scheduled[rid] >= row.prompt_len)
+            if complete is not None:
+                done[rid] = complete
+        return done
 
     def compile_forward(self, state: RunnerState, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""
         t_bucket = _bucket(num_tokens, self.config.token_buckets)
-        token_inputs, _, _ = build_inputs(self._table, [], {}, self.config, t_bucket, 1)
+        token_inputs, _, _, _ = build_inputs(self._table, [], {}, self.config, self.sampler_config, t_bucket, 1)
         return _forward.lower(self.params, state, token_inputs, model=self.model_config, uniform_decode=uniform_decode).compile()

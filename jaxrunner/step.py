@@ -4,8 +4,10 @@
 - `forward_step` (one graph per token bucket, and one more per bucket that holds only decodes, for
   the decode-specialised attention): gather input ids, write KV, run the model, keep the hidden
   state of each sequence's last token ([S] rows, S = max_num_seqs).
-- `sample_step` (one graph per request bucket): logits for the batch's rows, sample, append the
-  tokens that complete a request's known tokens to its row.
+- `sample_step` (one graph per request bucket and sampler variant): logits for the batch's rows,
+  sample, append the tokens that complete a request's known tokens to its row.
+- `prompt_logprobs_step` (one graph, fixed chunk): logprobs of prompt tokens from the backbone's
+  hidden states, for requests that ask for prompt logprobs.
 Splitting at the last-token hidden states keeps the number of graphs at T + R, not T x R.
 """
 
@@ -20,7 +22,7 @@ from jaxrunner.attention import AttentionMetadata, paged_attend
 from jaxrunner.config import ModelConfig
 from jaxrunner.input_batch import SampleInputs, TokenInputs
 from jaxrunner.models.llama import Params, compute_logits, forward
-from jaxrunner.sampler import sample
+from jaxrunner.sampling import SamplerFlags, SamplerOutput, compute_logprobs, sample
 from jaxrunner.state import RunnerState
 
 
@@ -36,7 +38,8 @@ def write_block_rows(state: RunnerState, slots: jax.Array, rows: jax.Array) -> R
 
 def forward_step(
     params: Params, state: RunnerState, inp: TokenInputs, *, model: ModelConfig, uniform_decode: bool
-) -> tuple[jax.Array, RunnerState]:
+) -> tuple[jax.Array, jax.Array, RunnerState]:
+    """(hidden state of each sequence's last token [S, H], of every token [T, H], the new state)."""
     num_rows = state.token_ids.shape[0]
     block_size = state.kv[0][0].shape[1]
     rows = jnp.minimum(inp.token_rows, num_rows - 1)
@@ -54,14 +57,27 @@ def forward_step(
     with jax.default_matmul_precision(matmul_precision(params)):
         hidden, kv = forward(params, model, ids, inp.positions, state.kv, paged_attend(model, md, uniform_decode=uniform_decode))
     last = hidden[jnp.maximum(inp.query_start_loc[1:] - 1, 0)]
-    return last, dataclasses.replace(state, token_ids=token_ids, kv=kv)
+    return last, hidden, dataclasses.replace(state, token_ids=token_ids, kv=kv)
 
 
 def sample_step(
-    params: Params, state: RunnerState, last_hidden: jax.Array, inp: SampleInputs, *, model: ModelConfig
-) -> tuple[jax.Array, RunnerState]:
+    params: Params, state: RunnerState, last_hidden: jax.Array, inp: SampleInputs, *, model: ModelConfig, flags: SamplerFlags
+) -> tuple[SamplerOutput, RunnerState]:
     with jax.default_matmul_precision(matmul_precision(params)):
         logits = compute_logits(params, model, last_hidden[: inp.commit_rows.shape[0]])
-    tokens = sample(logits, inp.sampling)
-    token_ids = state.token_ids.at[inp.commit_rows, inp.sampling.positions].set(tokens, mode="drop")
-    return tokens, dataclasses.replace(state, token_ids=token_ids)
+    if flags.penalties or flags.bad_words:
+        history = state.token_ids[inp.history_rows]
+    else:
+        history = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    out = sample(logits, inp.sampling, flags, history)
+    token_ids = state.token_ids.at[inp.commit_rows, inp.sampling.positions].set(out.tokens, mode="drop")
+    return out, dataclasses.replace(state, token_ids=token_ids)
+
+
+def prompt_logprobs_step(
+    params: Params, hidden: jax.Array, rows: jax.Array, targets: jax.Array, *, model: ModelConfig, num_top: int, as_logits: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Logprobs of `targets` (and the top `num_top`) from the logits at hidden[rows]; raw logits, as vLLM."""
+    with jax.default_matmul_precision(matmul_precision(params)):
+        logits = compute_logits(params, model, hidden[rows])
+    return compute_logprobs(logits, targets, num_top, as_logits)

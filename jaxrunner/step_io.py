@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxrunner.sampling.logprobs import LogprobsArrays
 from jaxrunner.sampling_params import SamplingParams
 
 
@@ -59,11 +60,14 @@ class RunnerOutput:
     """One entry per scheduled request, in `req_ids` order.
 
     `sampled_token_ids[i]` is empty when request i only ran a non-final prefill chunk.
+    `logprobs[req_id]`: one row for the sampled token (the token itself, then the request's top N),
+    for requests that sampled and asked for logprobs. `prompt_logprobs_dict[req_id]`: one row per
+    prompt position 1.., given once, in the step that completes the prompt.
     """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
-    logprobs: object | None = None
-    prompt_logprobs_dict: dict[str, object] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
+    prompt_logprobs_dict: dict[str, LogprobsArrays] = field(default_factory=dict)
     num_nans_in_logits: dict[str, int] = field(default_factory=dict)

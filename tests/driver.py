@@ -40,11 +40,13 @@ def drive(
     stagger: int = 0,
     preempt: dict[int, list[int]] | None = None,
     seed: int = 0,
+    outputs: list | None = None,
 ) -> list[list[int]]:
     """Generate `max_new` tokens for each prompt; request i arrives at step i * stagger.
 
     `chunk` caps the tokens a request gets per step (chunked prefill); `preempt` maps a step to the
     request indices preempted at its start (they resume as new requests with prompt + outputs).
+    Every RunnerOutput is appended to `outputs` when given.
     """
     cfg = runner.config
     rng = np.random.default_rng(seed)
@@ -88,6 +90,8 @@ def drive(
             preempted_req_ids=preempted,
         )
         state, out = runner.step(state, sched)
+        if outputs is not None:
+            outputs.append(out)
         finished = set()
         for rid, toks in zip(out.req_ids, out.sampled_token_ids):
             r = reqs[rid]

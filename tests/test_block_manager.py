@@ -125,6 +125,16 @@ def test_caching_disabled_never_hits():
     assert not bm.cached and bm.stats.queries == 0
 
 
+def test_prompt_logprobs_requests_skip_the_cache_but_fill_it():
+    """The runner scores only computed positions, so a hit would lose prompt logprobs (as in vLLM)."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    scored = Request("a", list(range(9)), SamplingParams(prompt_logprobs=2), max_tokens=16)
+    admit(bm, scored)
+    assert bm.get_computed_blocks(request("b", range(9))) == (bm.block_ids("a")[:2], 8)
+    assert bm.get_computed_blocks(scored) == ([], 0)
+    check_block_invariants(bm)
+
+
 def test_resumed_requests_do_not_count_towards_hit_rate():
     bm = BlockManager(num_blocks=8, block_size=BS)
     a = request("a", range(9))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,19 @@ def test_stream_prints_the_same_text(model_dir, capsys):
     text = eval(capsys.readouterr().out.split("Generated text: ", 1)[1].rsplit(" (", 1)[0])
     assert main([*base, "--stream"]) == 0
     assert capsys.readouterr().out == text + "\n"
+
+
+def test_logprobs_print_one_line_per_token(model_dir, capsys):
+    base = ["generate", "--model", str(model_dir), *SMALL, "--temperature", "0", "--max-tokens", "3", "--ignore-eos"]
+    assert main([*base, "--logprobs", "2", "--prompt-logprobs", "1", "hi"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    prompt_lines = len(default_tokenizer().encode("hi")) - 1  # the first prompt token has no logprob
+    assert lines[0] == "Prompt logprobs of 'hi':" and lines[prompt_lines + 2] == "Logprobs:"
+    assert len(lines) == 1 + prompt_lines + 2 + 3
+    assert all(re.fullmatch(r"  '.*' -?\d+\.\d{4} \(rank 1\) \| '.*' -?\d+\.\d{4}", line) for line in lines[-3:])
+    assert main([*base, "--logprobs", "2", "--prompt-logprobs", "1", "--stream", "hi"]) == 0
+    streamed = capsys.readouterr().out.splitlines()
+    assert streamed[2:] == lines[1 : prompt_lines + 1] + lines[-4:]  # after the text and "Prompt logprobs:"
 
 
 @pytest.mark.parametrize(

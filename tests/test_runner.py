@@ -56,8 +56,11 @@ BAD = {
     "wrong total": replace(decode(), total_num_scheduled_tokens=5),
     "unscheduled cached request": sched(cached=CachedRequestData(["a"], [None], [5]), scheduled={"a": 1, "b": 1}),
     "speculative tokens": replace(decode(), scheduled_spec_decode_tokens={"a": [1]}),
-    "unsupported sampling": sched(
-        [NewRequestData("c", [1, 2], ([12],), sampling_params=SamplingParams(top_k=5))], scheduled={"c": 2}
+    "logit bias outside the vocabulary": sched(
+        [NewRequestData("c", [1, 2], ([12],), sampling_params=SamplingParams(logit_bias={200: 1.0}))], scheduled={"c": 2}
+    ),
+    "too many logprobs": sched(
+        [NewRequestData("c", [1, 2], ([12],), sampling_params=SamplingParams(logprobs=21))], scheduled={"c": 2}
     ),
     "too many requests": sched(
         [new(f"n{i}", [1], [12 + i]) for i in range(3)], scheduled={f"n{i}": 1 for i in range(3)}
@@ -69,7 +72,7 @@ BAD = {
 def test_bad_input_is_refused_and_changes_nothing(params, case):
     runner = Runner(MODEL, params, CONFIG)
     state, first = runner.step(runner.init_state(), FIRST)
-    with pytest.raises(ValueError, match="rejected|not supported|outside|longer"):
+    with pytest.raises(ValueError, match="rejected|outside|longer|logprobs"):
         runner.step(state, BAD[case])
     state, after = runner.step(state, decode())
 

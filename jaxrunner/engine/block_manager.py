@@ -74,7 +74,8 @@ class BlockManager:
         """Cached blocks that start the request's tokens, and how many tokens they cover.
 
         The last token is always left to compute (the runner needs its logits), so a prompt that is
-        entirely cached still runs one token, as in vLLM.
+        entirely cached still runs one token, as in vLLM. A request asking for prompt logprobs gets
+        no hits (it still fills the cache): the runner scores only the positions it computes.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0

@@ -5,6 +5,12 @@ sampled tokens, detokenizes, applies stop strings and returns a `RequestOutput` 
 that progressed. A request with n > 1 runs as n child requests ("{i}_{id}") whose prompt blocks are
 shared through the prefix cache. A prompt that cannot run (too long, empty, unknown token ids)
 fails alone: its output has finish_reason "error" and says why.
+
+Logprobs take vLLM's form: one {token_id: Logprob} dict per generated token (the sampled token and
+the top N), and prompt logprobs as a list with None for the first prompt token. The runner gives a
+prompt's logprobs once, in the step that completes the prompt, and the parent keeps them: a request
+resumed after preemption is not given them again, and children share the prompt, so only the first
+child asks for them (the others can then use its prompt blocks from the prefix cache).
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.default_model import default_model, default_tokenizer
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.engine.engine_args import EngineArgs, resolve_dtype, runner_config, scheduler_config
-from jaxrunner.engine.outputs import CompletionOutput, RequestOutput
+from jaxrunner.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.loader import load_model
 from jaxrunner.runner import Runner
+from jaxrunner.sampling import LogprobsArrays
 from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.step_io import RunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +49,24 @@ class ProcessedPrompt:
 
 @dataclass
 class _Child:
+    """`logprobs` and `cumulative_logprob` stay None unless the request asked for logprobs."""
+
     request: Request
     detokenizer: IncrementalDetokenizer | None
     num_sent_tokens: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
 class _Parent:
+    """`prompt_logprobs`: vLLM's list, once the runner gave them (with `delta`, until sent)."""
+
     request_id: str
     inputs: ProcessedPrompt
     delta: bool
     children: list[_Child] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def load_tokenizer(args: EngineArgs):
@@ -92,6 +107,7 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._failed: list[RequestOutput] = []
+        self._token_texts: dict[int, str] = {}
 
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
         """Tokenize and check one prompt. Raises ValueError for sampling parameters the engine or
@@ -130,7 +146,12 @@ class LLMEngine:
         sp = inputs.sampling_params
         room = self.config.max_model_len - len(inputs.prompt_token_ids)
         for i in range(sp.n):
-            child_params = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+            child_params = dataclasses.replace(
+                sp,
+                n=1,
+                seed=None if sp.seed is None else sp.seed + i,
+                prompt_logprobs=sp.prompt_logprobs if i == 0 else None,
+            )
             request = Request(
                 req_id=request_id if sp.n == 1 else f"{i}_{request_id}",
                 prompt_token_ids=inputs.prompt_token_ids,
@@ -144,6 +165,8 @@ class LLMEngine:
                 else IncrementalDetokenizer(self.tokenizer, inputs.prompt_token_ids, child_params)
             )
             child = _Child(request, detok)
+            if sp.logprobs is not None:
+                child.logprobs, child.cumulative_logprob = [], 0.0
             parent.children.append(child)
             self._children[request.req_id] = (parent, child)
         for child in parent.children:
@@ -172,6 +195,7 @@ class LLMEngine:
         progressed: dict[str, _Parent] = {}
         for req_id, tokens in self.scheduler.update_from_output(sched, out).items():
             parent, child = self._children[req_id]
+            self._add_logprobs(parent, child, out, len(tokens))
             self._detokenize(child, tokens)
             progressed[parent.request_id] = parent
         for parent in progressed.values():
@@ -181,6 +205,34 @@ class LLMEngine:
                 for c in parent.children:
                     del self._children[c.request.req_id]
         return outputs
+
+    def _add_logprobs(self, parent: _Parent, child: _Child, out: RunnerOutput, num_tokens: int) -> None:
+        """Keep the rows of the `num_tokens` tokens the child kept, and its prompt logprobs if given."""
+        req_id = child.request.req_id
+        if child.logprobs is not None:
+            rows = out.logprobs[req_id]
+            child.logprobs += self._logprob_dicts(rows)[:num_tokens]
+            child.cumulative_logprob += sum(rows.logprobs[:num_tokens, 0].tolist())
+        if req_id in out.prompt_logprobs_dict:
+            parent.prompt_logprobs = [None, *self._logprob_dicts(out.prompt_logprobs_dict[req_id])]
+
+    def _logprob_dicts(self, rows: LogprobsArrays) -> list[dict[int, Logprob]]:
+        """One dict per row: the chosen token with its rank, then the top N with ranks 1..N; a chosen
+        token among the top N has one entry (the top-N one), as in vLLM."""
+        dicts = []
+        for ids, values, rank in zip(rows.token_ids.tolist(), rows.logprobs.tolist(), rows.ranks.tolist()):
+            ranks = [rank, *range(1, len(ids))]
+            dicts.append({t: Logprob(v, r, self._token_text(t)) for t, v, r in zip(ids, values, ranks)})
+        return dicts
+
+    def _token_text(self, token_id: int) -> str | None:
+        """A logprob's decoded_token: the id decoded alone, as in vLLM (None without a tokenizer).
+        Cached: the same ids come back in every top N."""
+        if self.tokenizer is None:
+            return None
+        if token_id not in self._token_texts:
+            self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return self._token_texts[token_id]
 
     def _detokenize(self, child: _Child, tokens: list[int]) -> None:
         request = child.request
@@ -220,16 +272,22 @@ class LLMEngine:
                     index=index,
                     text=text,
                     token_ids=request.output_token_ids[start:],
+                    cumulative_logprob=child.cumulative_logprob,
+                    logprobs=None if child.logprobs is None else child.logprobs[start:],
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                 )
             )
+        prompt_logprobs = parent.prompt_logprobs
+        if parent.delta:  # vLLM's delta outputs carry them once
+            parent.prompt_logprobs = None
         return RequestOutput(
             request_id=parent.request_id,
             prompt=inputs.prompt,
             prompt_token_ids=inputs.prompt_token_ids,
             outputs=completions,
             finished=all(c.request.is_finished for c in parent.children),
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(parent.children[0].request.num_cached_tokens, 0),
         )
 

@@ -27,7 +27,8 @@ class EngineArgs:
     `tokenizer`: defaults to `model`. `skip_tokenizer_init`: no tokenizer; prompts must be token
     ids and outputs have empty text. `gpu_memory_utilization`: the fraction of device memory the
     weights plus the KV cache may use (ignored on CPU); `num_gpu_blocks_override` fixes the number
-    of KV blocks instead."""
+    of KV blocks instead. `max_logprobs`: the most logprobs a request may ask for (-1: the whole
+    vocabulary); `logprobs_mode`: raw_logprobs, raw_logits, processed_logprobs or processed_logits."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -41,6 +42,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -94,6 +97,8 @@ def runner_config(args: EngineArgs, model: ModelConfig, dtype: str) -> RunnerCon
         num_blocks=1,
         dtype=dtype,
         seed=args.seed,
+        max_logprobs=args.max_logprobs,
+        logprobs_mode=args.logprobs_mode,
     )
     cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, sizes))
     if cfg.num_blocks * cfg.block_size < max_model_len:

@@ -23,7 +23,7 @@ from jaxrunner.sampling_params import SamplingParams
 class LLM:
     """`engine_args` keep vLLM's names: dtype, max_model_len, block_size, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, gpu_memory_utilization, num_gpu_blocks_override,
-    seed, tokenizer, skip_tokenizer_init (see `EngineArgs`)."""
+    seed, tokenizer, skip_tokenizer_init, max_logprobs, logprobs_mode (see `EngineArgs`)."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args))

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Logprob:
+    """`rank`: 1 for the likeliest token. `decoded_token`: the token decoded alone (None without a
+    tokenizer)."""
+
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
@@ -18,7 +21,9 @@ class CompletionOutput:
 
     `finish_reason`: None while running, then "stop" (EOS, a stop token id or a stop string),
     "length" (max_tokens or max_model_len), "abort" or "error". `stop_reason` says which stop: the
-    token id or the string (None for EOS).
+    token id or the string (None for EOS). `logprobs` (None unless the request asked for them): one
+    {token_id: Logprob} dict per entry of `token_ids`, holding that token and the top N;
+    `cumulative_logprob` sums the logprobs of every token generated so far (delta outputs too).
     """
 
     index: int
@@ -37,13 +42,14 @@ class CompletionOutput:
 class RequestOutput:
     """`prompt` is None when the prompt was given as token ids. `num_cached_tokens` counts prompt
     tokens found in the prefix cache. `error` explains a request that failed on its own
-    (finish_reason "error"), e.g. a prompt longer than max_model_len."""
+    (finish_reason "error"), e.g. a prompt longer than max_model_len. `prompt_logprobs` (None unless
+    asked for): None for the first prompt token, then one dict per prompt token, like `logprobs`."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None

@@ -1,0 +1,68 @@
+"""The sampler: vLLM model runner v2's sampling, as pure JAX functions plus host-side packing.
+
+Host side (numpy, `metadata.py`):
+- `SamplerConfig(vocab_size, max_logprobs=20, logprobs_mode="raw_logprobs", count_nans=True,
+  eos_token_ids=(), max_logit_bias=1024, max_allowed_token_ids=1024, max_stop_token_ids=128,
+  max_bad_words=128, max_bad_word_len=8)`: engine-wide, fixed for the runner's lifetime.
+- `prepare_request(params, seed, prompt_len, config) -> RequestSampling`, once per request when
+  it arrives (also after preemption); raises ValueError for what the model or limits rule out.
+  `seed` is params.seed or a 64-bit seed the runner drew.
+- `build_sampling_metadata(requests, positions, num_rows, config, variants=()) ->
+  (SamplingMetadata, SamplerFlags)` every step, for the B = num_rows rows of a request bucket;
+  positions[i] is the position of the token row i samples (= the tokens before it).
+- `SamplerFlags` (hashable, a static jit argument): penalties, top_k_top_p, min_p, logit_bias,
+  allowed_token_ids, bad_words, min_tokens, num_logprobs (-1: none, else config.logprobs_width),
+  logprobs_mode, count_nans. The flags fix every shape, so graphs = distinct flags x request
+  buckets. With `variants=flag_variants(config)` each batch is promoted to the first of 6
+  covering variants (plain, top-k/top-p/min-p, everything; each without and with logprobs):
+  6 x R graphs, all known in advance (`neutral_metadata(B, config, flags)` is the example input
+  for AOT compiles). Without `variants`, each combination met compiles (at most 2**8 x R).
+
+Device side (pure, jittable; `sampler.py`):
+- `sample(logits f32[B, V], md, flags, history i32[B, L]) -> SamplerOutput(tokens i32[B],
+  logprobs f32[B, K], logprob_token_ids i32[B, K], ranks i32[B], num_nans i32[B])`, K = 1 +
+  flags.num_logprobs or 0. history holds each row's tokens (prompt, then generated); the first
+  md.positions[b] are read, by penalties and bad words only (pass [B, 0] without them).
+- `process_logits(...)`: the logits the sample is drawn from (vLLM's "processed").
+- `compute_logprobs(logits [N, V], target_ids [N], num_top, as_logits) -> (values [N, 1+n],
+  ids [N, 1+n], ranks [N])`: for sampled tokens and for prompt logprobs.
+
+Prompt logprobs (`logprobs.py`): `prompt_logprob_positions(prompt_len, prefill_len, num_computed,
+num_scheduled)` gives the chunk's positions to score (position p scores prompt token p + 1; none
+after preemption); `PromptLogprobsBuffer.add(req_id, part, prompt_done)` returns the whole
+prompt's `LogprobsArrays` once, in the step that completes the prompt; `discard(req_id)` on
+finish or preemption.
+"""
+
+from jaxrunner.sampling.logprobs import LogprobsArrays, PromptLogprobsBuffer, compute_logprobs, prompt_logprob_positions
+from jaxrunner.sampling.metadata import (
+    NO_LOGPROBS,
+    RequestSampling,
+    SamplerConfig,
+    SamplerFlags,
+    SamplingMetadata,
+    build_sampling_metadata,
+    flag_variants,
+    neutral_metadata,
+    prepare_request,
+)
+from jaxrunner.sampling.sampler import SamplerOutput, process_logits, sample
+
+__all__ = [
+    "NO_LOGPROBS",
+    "LogprobsArrays",
+    "PromptLogprobsBuffer",
+    "RequestSampling",
+    "SamplerConfig",
+    "SamplerFlags",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "build_sampling_metadata",
+    "compute_logprobs",
+    "flag_variants",
+    "neutral_metadata",
+    "prepare_request",
+    "process_logits",
+    "prompt_logprob_positions",
+    "sample",
+]
