@@ -94,10 +94,8 @@ class ModelConfig:
         eos = hf.eos_token_id
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         window = getattr(hf, "sliding_window", None)
-        if arch == "Qwen2ForCausalLM" and not getattr(hf, "use_sliding_window", False):
-            window = None
-        if arch == "Qwen3ForCausalLM" and not getattr(hf, "use_sliding_window", False):
-            window = None
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(hf, "use_sliding_window", False):
+            window = None  # Qwen configs carry a window size even when sliding attention is off
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         return cls(
@@ -137,6 +135,7 @@ class RunnerConfig:
     `max_num_seqs` request slots, each up to `max_model_len` tokens; at most `max_num_batched_tokens`
     tokens per step; a paged KV cache of `num_blocks` blocks of `block_size` tokens. Requests may
     ask for up to `max_logprobs` logprobs (-1: the whole vocabulary), reported per `logprobs_mode`.
+    `compilation_cache_dir` turns on JAX's persistent compilation cache (process-wide) there.
     """
 
     max_num_seqs: int = 8
@@ -148,6 +147,7 @@ class RunnerConfig:
     seed: int = 0
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    compilation_cache_dir: str | None = None
     token_buckets: tuple[int, ...] = field(default=())
     request_buckets: tuple[int, ...] = field(default=())
 

@@ -13,17 +13,26 @@ from __future__ import annotations
 
 import bisect
 import os
+import time
 
 import jax
 import numpy as np
 
 from jaxrunner.config import ModelConfig, RunnerConfig
-from jaxrunner.input_batch import RequestTable, batch_order, block_table_rows, build_inputs
+from jaxrunner.input_batch import RequestTable, SampleInputs, batch_order, block_table_rows, build_inputs
 from jaxrunner.loader import load_model
 from jaxrunner.models.llama import Params
-from jaxrunner.sampling import LogprobsArrays, PromptLogprobsBuffer, SamplerConfig, prepare_request, prompt_logprob_positions
+from jaxrunner.sampling import (
+    LogprobsArrays,
+    PromptLogprobsBuffer,
+    SamplerConfig,
+    flag_variants,
+    neutral_metadata,
+    prepare_request,
+    prompt_logprob_positions,
+)
 from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.state import RunnerState, init_state
+from jaxrunner.state import RunnerState, init_state, kv_cache_bytes
 from jaxrunner.step import forward_step, prompt_logprobs_step, sample_step, write_block_rows
 from jaxrunner.step_io import RunnerOutput, SchedulerOutput
 
@@ -58,6 +67,9 @@ class Runner:
         self._rng = np.random.default_rng(config.seed)
         # Only GPUs have a decode-specialised attention kernel; elsewhere one graph per bucket does.
         self._decode_kernel = jax.default_backend() == "gpu"
+        if config.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, config: RunnerConfig = RunnerConfig()) -> Runner:
@@ -157,6 +169,43 @@ class Runner:
             if complete is not None:
                 done[rid] = complete
         return done
+
+    def warmup(self, state: RunnerState) -> tuple[RunnerState, dict]:
+        """Compile every graph a step can use, so that serving never compiles: run each jitted function
+        once per bucket (and sampler variant) on padding inputs, which leave the state unchanged.
+
+        Returns the state and a start-up report (graphs, seconds, KV cache size).
+        """
+        cfg, sampler, model = self.config, self.sampler_config, self.model_config
+        start, graphs = time.perf_counter(), 0
+        decode_buckets = cfg.token_buckets[: bisect.bisect_left(cfg.token_buckets, cfg.max_num_seqs) + 1]
+        for t in cfg.token_buckets:
+            token_inputs = build_inputs(self._table, [], {}, cfg, sampler, t, 1)[0]
+            for decode in sorted({False, self._decode_kernel and t in decode_buckets}):
+                last_hidden, hidden, state = _forward(self.params, state, token_inputs, model=model, uniform_decode=decode)
+                graphs += 1
+            rows = np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32)
+            _prompt_logprobs(self.params, hidden, rows, rows, model=model, num_top=sampler.logprobs_width,
+                             as_logits=cfg.logprobs_mode.endswith("logits"))
+            graphs += 1
+        for b in cfg.request_buckets:
+            nowhere = np.full(b, cfg.max_num_seqs, np.int32)
+            for flags in flag_variants(sampler):
+                inputs = SampleInputs(nowhere, np.zeros(b, np.int32), neutral_metadata(b, sampler, flags))
+                _, state = _sample(self.params, state, last_hidden, inputs, model=model, flags=flags)
+                graphs += 1
+            state = _write_blocks(state, nowhere, np.zeros((b, cfg.max_blocks_per_req), np.int32))
+            graphs += 1
+        jax.block_until_ready(state)
+        return state, {
+            "token_buckets": list(cfg.token_buckets),
+            "request_buckets": list(cfg.request_buckets),
+            "graphs": graphs,
+            "compile_seconds": round(time.perf_counter() - start, 2),
+            "kv_cache_blocks": cfg.num_blocks,
+            "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
+            "kv_cache_gib": round(kv_cache_bytes(model, cfg) / 2**30, 3),
+        }
 
     def compile_forward(self, state: RunnerState, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.default_model import default_model, default_tokenizer
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
-from jaxrunner.engine.engine_args import EngineArgs, resolve_dtype, runner_config, scheduler_config
+from jaxrunner.engine.engine_args import EngineArgs, resolve_dtype, runner_config, scheduler_config, warm_up
 from jaxrunner.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
@@ -98,6 +98,10 @@ class LLMEngine:
         self.config = runner_config(args, self.model_config, dtype)
         self.runner = Runner(self.model_config, params, self.config)
         self.state = self.runner.init_state()
+        if warm_up(args):
+            self.state, report = self.runner.warmup(self.state)
+            logger.info("compiled %d graphs in %.1f s; KV cache: %d blocks, %d tokens, %.2f GiB", report["graphs"],
+                        report["compile_seconds"], report["kv_cache_blocks"], report["kv_cache_tokens"], report["kv_cache_gib"])
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config(self.config), self.block_manager)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -28,7 +28,10 @@ class EngineArgs:
     ids and outputs have empty text. `gpu_memory_utilization`: the fraction of device memory the
     weights plus the KV cache may use (ignored on CPU); `num_gpu_blocks_override` fixes the number
     of KV blocks instead. `max_logprobs`: the most logprobs a request may ask for (-1: the whole
-    vocabulary); `logprobs_mode`: raw_logprobs, raw_logits, processed_logprobs or processed_logits."""
+    vocabulary); `logprobs_mode`: raw_logprobs, raw_logits, processed_logprobs or processed_logits.
+    `enforce_eager`: skip compiling every bucket at start-up (they then compile when first used);
+    by default start-up compiles them on a GPU, with JAX's persistent cache in ~/.cache/jaxrunner,
+    and skips it on a CPU."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -44,6 +47,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -99,6 +103,7 @@ def runner_config(args: EngineArgs, model: ModelConfig, dtype: str) -> RunnerCon
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode,
+        compilation_cache_dir="~/.cache/jaxrunner/xla" if gpu else None,
     )
     cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, sizes))
     if cfg.num_blocks * cfg.block_size < max_model_len:
@@ -128,3 +133,7 @@ def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig) -> int:
     budget = stats["bytes_limit"] * args.gpu_memory_utilization - stats["bytes_in_use"]
     per_block = kv_cache_bytes(model, dataclasses.replace(cfg, num_blocks=1))
     return max(int(0.9 * budget) // per_block, 1)
+
+
+def warm_up(args: EngineArgs) -> bool:
+    return not args.enforce_eager if args.enforce_eager is not None else on_gpu()
