@@ -111,6 +111,7 @@ class SamplerFlags:
         return dataclasses.replace(self, **on, num_logprobs=max(self.num_logprobs, other.num_logprobs))
 
 
+@functools.cache  # asked every step; the answer depends on the engine-wide config only
 def flag_variants(config: SamplerConfig) -> tuple[SamplerFlags, ...]:
     """A small covering set of graphs, cheapest first: plain, truncation (top-k/top-p/min-p),
     everything; each without and with logprobs. The last covers every batch."""
