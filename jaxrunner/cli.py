@@ -4,17 +4,22 @@
     jaxrunner generate --model DIR --temperature 0 --max-tokens 64 "Hello" "Bonjour"
     jaxrunner generate --model DIR --stream "Once upon a time"
     jaxrunner generate --temperature 0 --logprobs 3 --prompt-logprobs 1 "Hello"   # one line per token
+    jaxrunner bench latency --json w1.json       # W1 of DESIGN.md 8, beside the HF transformers peer
+    jaxrunner bench throughput --no-peer         # W2, jaxrunner alone
 
 Engine and sampling flags keep vLLM's names (--max-model-len, --max-num-seqs, --max-tokens, --top-p,
---stop, ...). Sampling flags left out keep SamplingParams' defaults.
+--stop, ...). Sampling flags left out keep SamplingParams' defaults. `bench` runs on random weights
+in a named shape; the workload logic is in `jaxrunner.bench`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
+from jaxrunner.bench.shapes import SHAPES
 from jaxrunner.engine.default_model import DEFAULT_MODEL_NOTICE
 
 # (flag, type, help) for the SamplingParams fields the CLI exposes; `type` None means a switch.
@@ -72,7 +77,52 @@ def build_parser() -> argparse.ArgumentParser:
             sampling.add_argument(_flag(name), dest=name, type=kind, action="append", help=text)
         else:
             sampling.add_argument(_flag(name), dest=name, type=kind, help=text)
+    _add_bench_parser(commands)
     return parser
+
+
+def _add_bench_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="measure a workload on random weights, beside HF transformers")
+    workloads = bench.add_subparsers(dest="workload", required=True)
+    latency = workloads.add_parser("latency", help="W1: batch 1, ms per decode step")
+    latency.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    latency.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    latency.add_argument("--new", type=int, default=256, help="new tokens (default 256)")
+    latency.add_argument("--iters", type=int, default=3, help="timed generations after the warm-up (median reported)")
+    throughput = workloads.add_parser("throughput", help="W2: many requests, output tokens per second")
+    throughput.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    throughput.add_argument("--num-prompts", type=int, default=256)
+    throughput.add_argument("--min-prompt", type=int, default=100, help="prompt lengths are uniform in [min, max]")
+    throughput.add_argument("--max-prompt", type=int, default=1024)
+    throughput.add_argument("--new", type=int, default=512, help="new tokens per request (default 512)")
+    for workload in (latency, throughput):
+        workload.add_argument("--num-scheduler-steps", type=int, default=8, help="decode steps per device call")
+        workload.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+        workload.add_argument("--seed", type=int, default=0, help="prompts and weights")
+        workload.add_argument("--no-peer", dest="peer", action="store_false", help="skip the HF transformers peer")
+        workload.add_argument("--json", metavar="PATH", help="write the result there (and to $OUT/<workload>.json)")
+
+
+def bench(args: argparse.Namespace) -> int:
+    from jaxrunner.bench import latency, throughput
+
+    common = dict(shape_name=args.shape, num_scheduler_steps=args.num_scheduler_steps,
+                  async_scheduling=args.async_scheduling, seed=args.seed, peer=args.peer)
+    if args.workload == "latency":
+        module = latency
+        result = latency.run(prompt=args.prompt, new=args.new, iters=args.iters, **common)
+    else:
+        module = throughput
+        result = throughput.run(num_prompts=args.num_prompts, min_prompt=args.min_prompt,
+                                max_prompt=args.max_prompt, new=args.new, **common)
+    print(module.summary(result))
+    paths = [args.json] if args.json else []
+    if os.environ.get("OUT"):
+        paths.append(os.path.join(os.environ["OUT"], f"{args.workload}.json"))
+    for path in paths:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -153,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return generate(args)
+        return bench(args) if args.command == "bench" else generate(args)
     except ValueError as e:
         parser.exit(2, f"jaxrunner: error: {e}\n")
 

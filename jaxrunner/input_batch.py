@@ -23,7 +23,7 @@ from jaxrunner.sampling import (
     prepare_request,
 )
 from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.step_io import SchedulerOutput
+from jaxrunner.step_io import SchedulerOutput, decode_steps
 
 
 @dataclass(frozen=True)
@@ -82,13 +82,18 @@ class RequestTable:
         dirty += [rid for rid, blocks in zip(cached.req_ids, cached.new_block_ids) if blocks and blocks[0]]
         return RequestTable(rows, tuple(free)), dirty
 
-    def after_sampling(self, scheduled: dict[str, int], sampled: set[str]) -> RequestTable:
-        """Advance progress once the step ran: KV computed for the scheduled tokens, one more token known."""
+    def advance(self, computed: dict[str, int], sampled: dict[str, int]) -> RequestTable:
+        """Progress once a step is dispatched: KV computed for `computed[rid]` more tokens, and
+        `sampled[rid]` more tokens known (they exist on the device; the host needs no values)."""
         rows = dict(self.rows)
-        for rid, n in scheduled.items():
+        for rid, n in computed.items():
             row = rows[rid]
-            rows[rid] = replace(row, num_computed=row.num_computed + n, num_tokens=row.num_tokens + (rid in sampled))
+            rows[rid] = replace(row, num_computed=row.num_computed + n, num_tokens=row.num_tokens + sampled.get(rid, 0))
         return RequestTable(rows, self.free_slots)
+
+    def decode_steps(self, rid: str, num_steps: int, max_model_len: int) -> int:
+        row = self.rows[rid]
+        return decode_steps(num_steps, row.num_tokens, row.num_tokens - row.prompt_len, row.sampling_params, max_model_len)
 
 
 def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab_size: int) -> None:
@@ -117,6 +122,8 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
             "num_scheduled_tokens must name exactly the new and cached requests; "
             f"extra {sorted(set(sched.num_scheduled_tokens) - scheduled)}, missing {sorted(scheduled - set(sched.num_scheduled_tokens))}"
         )
+    if sched.num_steps < 1:
+        bad(f"num_steps must be at least 1, got {sched.num_steps}")
     if sched.scheduled_spec_decode_tokens:
         bad("speculative decoding is not supported yet: leave scheduled_spec_decode_tokens empty")
     total = sum(sched.num_scheduled_tokens.values())
@@ -125,7 +132,7 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
     if total > cfg.max_num_batched_tokens:
         bad(f"{total} scheduled tokens exceed the largest bucket, max_num_batched_tokens={cfg.max_num_batched_tokens}")
 
-    def check_request(rid: str, block_ids: list[int], computed: int, known: int) -> None:
+    def check_request(rid: str, block_ids: list[int], computed: int, known: int, prompt_len: int, sp: SamplingParams) -> None:
         n = sched.num_scheduled_tokens[rid]
         if n < 1:
             bad(f"request {rid!r}: num_scheduled_tokens must be at least 1, got {n}")
@@ -133,12 +140,20 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
             bad(f"request {rid!r} needs {max(known, computed + n)} tokens, longer than max_model_len={cfg.max_model_len}")
         if not 0 <= computed or computed + n > known:
             bad(f"request {rid!r}: num_computed_tokens={computed} + {n} scheduled exceeds the {known} known tokens")
+        reach = computed + n  # tokens whose KV this call writes
+        if sched.num_steps > 1:
+            if n != 1 or computed + 1 != known:
+                bad(f"multi-step decode (num_steps={sched.num_steps}) needs one-token decodes; request {rid!r} "
+                    f"schedules {n} of its {known - computed} uncomputed tokens")
+            if sp.prompt_logprobs is not None and computed < prompt_len:
+                bad(f"request {rid!r} wants prompt logprobs: schedule its prompt with num_steps=1")
+            reach = computed + decode_steps(sched.num_steps, known, known - prompt_len, sp, cfg.max_model_len)
         if outside := [b for b in block_ids if not 0 <= b < cfg.num_blocks]:
             bad(f"request {rid!r}: block ids {outside[:5]} outside the cache (num_blocks={cfg.num_blocks})")
         if len(block_ids) > cfg.max_blocks_per_req:
             bad(f"request {rid!r}: {len(block_ids)} blocks exceed max_model_len / block_size = {cfg.max_blocks_per_req}")
-        if len(block_ids) * cfg.block_size < computed + n:
-            bad(f"request {rid!r}: {len(block_ids)} blocks cannot hold {computed + n} tokens (block_size={cfg.block_size})")
+        if len(block_ids) * cfg.block_size < reach:
+            bad(f"request {rid!r}: {len(block_ids)} blocks cannot hold {reach} tokens (block_size={cfg.block_size})")
 
     for new in sched.scheduled_new_reqs:
         tokens = new.all_prefill_token_ids
@@ -148,13 +163,14 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
             bad(f"request {new.req_id!r}: token ids {outside[:5]} outside the vocabulary (size {vocab_size})")
         if len(new.block_ids) != 1:
             bad(f"request {new.req_id!r}: block_ids must hold one list (one KV-cache group), got {len(new.block_ids)}")
-        check_request(new.req_id, list(new.block_ids[0]), new.num_computed_tokens, len(tokens))
+        check_request(new.req_id, list(new.block_ids[0]), new.num_computed_tokens, len(tokens),
+                      len(new.prompt_token_ids), new.sampling_params)
     for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
         row = table.rows[rid]
         if blocks is not None and len(blocks) != 1:
             bad(f"request {rid!r}: new_block_ids must hold one list (one KV-cache group)")
         all_blocks = list(row.block_ids) + (list(blocks[0]) if blocks else [])
-        check_request(rid, all_blocks, computed, row.num_tokens)
+        check_request(rid, all_blocks, computed, row.num_tokens, row.prompt_len, row.sampling_params)
 
 
 @pytree_dataclass

@@ -6,26 +6,32 @@ One step, top to bottom:
   3. on the device (state donated): write changed block-table rows, run the backbone over the packed
      tokens with paged attention, then logits and sampling for the batch's rows (and prompt
      logprobs for requests that ask for them);
-  4. read the sampled tokens back and advance the table.
+  4. advance the table, and hand back the output still in flight (`dispatch`) or read (`step`).
+With `num_steps` > 1 (all decodes), step 3 runs that many forward + sample rounds in one call.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.config import ModelConfig, RunnerConfig
-from jaxrunner.input_batch import RequestTable, SampleInputs, batch_order, block_table_rows, build_inputs
+from jaxrunner.input_batch import RequestTable, SampleInputs, TokenInputs, batch_order, block_table_rows, build_inputs
 from jaxrunner.loader import load_model
 from jaxrunner.models.llama import Params
+from jaxrunner.programs import Program, Programs
 from jaxrunner.sampling import (
     LogprobsArrays,
     PromptLogprobsBuffer,
     SamplerConfig,
+    SamplerFlags,
+    SamplerOutput,
     flag_variants,
     neutral_metadata,
     prepare_request,
@@ -33,18 +39,25 @@ from jaxrunner.sampling import (
 )
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.state import RunnerState, init_state, kv_cache_bytes
-from jaxrunner.step import forward_step, prompt_logprobs_step, sample_step, write_block_rows
-from jaxrunner.step_io import RunnerOutput, SchedulerOutput
+from jaxrunner.step import decode_loop, decode_round, forward_step, prompt_logprobs_step, sample_step, write_block_rows
+from jaxrunner.step_io import PendingOutput, RunnerOutput, SchedulerOutput
 
 
-# Jitted once per process: runners with the same model config share compiled graphs.
+# The device functions; each runner compiles its own executables of them (see `programs`).
 _write_blocks = jax.jit(write_block_rows, donate_argnums=0)
 _forward = jax.jit(forward_step, static_argnames=("model", "uniform_decode"), donate_argnums=1)
 _sample = jax.jit(sample_step, static_argnames=("model", "flags"), donate_argnums=1)
+_decode_loop = jax.jit(decode_loop, static_argnames=("model", "flags", "num_steps", "uniform_decode"), donate_argnums=1)
 _prompt_logprobs = jax.jit(prompt_logprobs_step, static_argnames=("model", "num_top", "as_logits"))
 
 # Prompt positions scored per device call: bounds the [rows, vocab] logits of long prompts.
 PROMPT_LOGPROBS_CHUNK = 256
+
+
+@functools.cache
+def _shared_programs(model: ModelConfig, config: RunnerConfig, dtype: str) -> Programs:
+    """Runners of one model shape, configuration and dtype run the same executables, so they share them."""
+    return Programs()
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -67,6 +80,8 @@ class Runner:
         self._rng = np.random.default_rng(config.seed)
         # Only GPUs have a decode-specialised attention kernel; elsewhere one graph per bucket does.
         self._decode_kernel = jax.default_backend() == "gpu"
+        self._warm = False  # after `warmup`, a missing multi-step program is not compiled
+        self.programs = _shared_programs(model_config, config, str(params["embed"].dtype))
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -84,6 +99,17 @@ class Runner:
         prepare_request(params, 0, prompt_len, self.sampler_config)
 
     def step(self, state: RunnerState, sched: SchedulerOutput) -> tuple[RunnerState, RunnerOutput]:
+        """Run one scheduled batch and wait for its output."""
+        state, pending = self.dispatch(state, sched)
+        return state, pending.get()
+
+    def dispatch(self, state: RunnerState, sched: SchedulerOutput) -> tuple[RunnerState, PendingOutput]:
+        """Queue one scheduled batch on the device and return without waiting for it.
+
+        Sampled tokens stay on the device and feed later steps, so the next step can be dispatched
+        before this one's output reaches the host (its copy starts at once). Prompt logprobs are the
+        exception: a step that completes them waits for them.
+        """
         cfg = self.config
         table, dirty = self._table.apply(sched, cfg, self.sampler_config, self._rng)
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
@@ -91,7 +117,7 @@ class Runner:
         order = batch_order(table, sched)
         if not order:
             self._table = table
-            return state, RunnerOutput([], {}, [])
+            return state, PendingOutput([], {}, {}, {}, None, {})
 
         scheduled = sched.num_scheduled_tokens
         t_bucket = _bucket(sched.total_num_scheduled_tokens, cfg.token_buckets)
@@ -101,28 +127,53 @@ class Runner:
         )
         if dirty:
             slots, rows = block_table_rows(table, dirty, cfg, _bucket(len(dirty), cfg.request_buckets))
-            state = _write_blocks(state, slots, rows)
+            state = self.programs.run(self._write_blocks_program(state, slots, rows))
         decode = self._decode_kernel and all(n == 1 for n in scheduled.values())
-        last_hidden, hidden, state = _forward(self.params, state, token_inputs, model=self.model_config, uniform_decode=decode)
-        out, state = _sample(self.params, state, last_hidden, sample_inputs, model=self.model_config, flags=flags)
-        prompt_logprobs = self._score_prompts(table, order, scheduled, hidden)
-
-        out = jax.device_get(out)
-        self._table = table.after_sampling(scheduled, sampled)
-        logprobs = {}
-        for i, rid in enumerate(order):
-            wanted = table.rows[rid].sampling.num_logprobs
-            if rid in sampled and wanted >= 0:
-                rows = LogprobsArrays(out.logprob_token_ids[i : i + 1], out.logprobs[i : i + 1], out.ranks[i : i + 1])
-                logprobs[rid] = rows.select(slice(None), wanted)
-        return state, RunnerOutput(
+        if sched.num_steps == 1:
+            steps = dict.fromkeys(sampled, 1)
+            last_hidden, hidden, state = self.programs.run(self._forward_program(state, token_inputs, decode))
+            out, state = self.programs.run(self._sample_program(state, last_hidden, sample_inputs, flags))
+            prompt_logprobs = self._score_prompts(table, order, scheduled, hidden)
+            self._table = table.advance(scheduled, steps)
+        else:
+            steps = {rid: table.decode_steps(rid, sched.num_steps, cfg.max_model_len) for rid in order}
+            counts = np.zeros(b_bucket, np.int32)
+            counts[: len(order)] = [steps[rid] for rid in order]
+            out, state = self._decode(state, token_inputs, sample_inputs, counts, flags, sched.num_steps, decode)
+            prompt_logprobs = {}
+            self._table = table.advance(steps, steps)
+        for leaf in jax.tree.leaves(out):
+            leaf.copy_to_host_async()
+        rows = [table.rows[rid] for rid in order]
+        return state, PendingOutput(
             req_ids=order,
-            req_id_to_index={rid: i for i, rid in enumerate(order)},
-            sampled_token_ids=[[int(out.tokens[i])] if rid in sampled else [] for i, rid in enumerate(order)],
-            logprobs=logprobs,
-            prompt_logprobs_dict=prompt_logprobs,
-            num_nans_in_logits={rid: int(out.num_nans[i]) for i, rid in enumerate(order)},
+            steps=steps,
+            stop_ids={row.req_id: self._stop_ids(row.sampling_params) for row in rows},
+            num_top={row.req_id: row.sampling.num_logprobs for row in rows},
+            sampled=out,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _decode(
+        self, state: RunnerState, tokens: TokenInputs, inputs: SampleInputs, counts: np.ndarray,
+        flags: SamplerFlags, num_steps: int, decode: bool,
+    ) -> tuple[SamplerOutput, RunnerState]:
+        """Multi-step decode in one call; or, once warmed up, round by round through the single-step
+        programs when the warm-up compiled no loop for these flags (same rounds, more dispatches)."""
+        loop = self._decode_loop_program(state, tokens, inputs, counts, flags, num_steps, decode)
+        if not self._warm or loop.key in self.programs:
+            return self.programs.run(loop)
+        outs = []
+        for j in range(num_steps):
+            tok, smp = decode_round(tokens, inputs, counts, j, self.config.max_num_seqs)
+            last_hidden, _, state = self.programs.run(self._forward_program(state, tok, decode))
+            out, state = self.programs.run(self._sample_program(state, last_hidden, smp, flags))
+            outs.append(out)
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *outs), state
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        eos = () if params.ignore_eos else self.sampler_config.eos_token_ids
+        return frozenset((*eos, *(params.stop_token_ids or ())))
 
     def _score_prompts(
         self, table: RequestTable, order: list[str], scheduled: dict[str, int], hidden: jax.Array
@@ -147,17 +198,13 @@ class Runner:
             start += n
         if not wanting:
             return {}
-        mode = self.config.logprobs_mode
         parts = []
         for lo in range(0, max(len(rows), 1), PROMPT_LOGPROBS_CHUNK):
             chunk_rows = np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32)
             chunk_targets = np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32)
             chunk_rows[: len(rows[lo : lo + PROMPT_LOGPROBS_CHUNK])] = rows[lo : lo + PROMPT_LOGPROBS_CHUNK]
             chunk_targets[: len(targets[lo : lo + PROMPT_LOGPROBS_CHUNK])] = targets[lo : lo + PROMPT_LOGPROBS_CHUNK]
-            values, ids, ranks = _prompt_logprobs(
-                self.params, hidden, chunk_rows, chunk_targets, model=self.model_config,
-                num_top=self.sampler_config.logprobs_width, as_logits=mode.endswith("logits"),
-            )
+            values, ids, ranks = self.programs.run(self._prompt_logprobs_program(hidden, chunk_rows, chunk_targets))
             parts.append(LogprobsArrays(np.asarray(ids), np.asarray(values), np.asarray(ranks)))
         scored = LogprobsArrays.concat(parts)
         done = {}
@@ -170,45 +217,78 @@ class Runner:
                 done[rid] = complete
         return done
 
-    def warmup(self, state: RunnerState) -> tuple[RunnerState, dict]:
-        """Compile every graph a step can use, so that serving never compiles: run each jitted function
-        once per bucket (and sampler variant) on padding inputs, which leave the state unchanged.
+    # The programs a step runs, keyed by what makes their executables differ.
+    def _forward_program(self, state: RunnerState, tokens: TokenInputs, decode: bool) -> Program:
+        return Program(("forward", tokens.token_ids.shape[0], decode), _forward, (self.params, state, tokens),
+                       dict(model=self.model_config, uniform_decode=decode))
 
-        Returns the state and a start-up report (graphs, seconds, KV cache size).
-        """
-        cfg, sampler, model = self.config, self.sampler_config, self.model_config
-        start, graphs = time.perf_counter(), 0
-        decode_buckets = cfg.token_buckets[: bisect.bisect_left(cfg.token_buckets, cfg.max_num_seqs) + 1]
+    def _sample_program(self, state: RunnerState, last_hidden: jax.Array, inputs: SampleInputs, flags: SamplerFlags) -> Program:
+        return Program(("sample", inputs.commit_rows.shape[0], flags), _sample, (self.params, state, last_hidden, inputs),
+                       dict(model=self.model_config, flags=flags))
+
+    def _decode_loop_program(
+        self, state: RunnerState, tokens: TokenInputs, inputs: SampleInputs, counts: np.ndarray,
+        flags: SamplerFlags, num_steps: int, decode: bool,
+    ) -> Program:
+        key = ("decode_loop", tokens.token_ids.shape[0], inputs.commit_rows.shape[0], flags, num_steps, decode)
+        return Program(key, _decode_loop, (self.params, state, tokens, inputs, counts),
+                       dict(model=self.model_config, flags=flags, num_steps=num_steps, uniform_decode=decode))
+
+    def _write_blocks_program(self, state: RunnerState, slots: np.ndarray, rows: np.ndarray) -> Program:
+        return Program(("write_blocks", slots.shape[0]), _write_blocks, (state, slots, rows), {})
+
+    def _prompt_logprobs_program(self, hidden: jax.Array, rows: np.ndarray, targets: np.ndarray) -> Program:
+        return Program(("prompt_logprobs", hidden.shape[0]), _prompt_logprobs, (self.params, hidden, rows, targets),
+                       dict(model=self.model_config, num_top=self.sampler_config.logprobs_width,
+                            as_logits=self.config.logprobs_mode.endswith("logits")))
+
+    def warmup(self, state: RunnerState, num_steps: int = 1) -> dict:
+        """Compile, in parallel, every program a step can run: the backbone per token bucket (and its
+        decode form), the sampler per request bucket and variant, block writes, prompt logprobs,
+        and with `num_steps` > 1 the multi-step decode per request bucket for plain sampling
+        (temperature, seeds, logprobs; other batches run its rounds through the single-step
+        programs). Serving then never compiles. Returns a start-up report (programs, seconds, KV
+        cache size)."""
+        cfg, sampler = self.config, self.sampler_config
+        start = time.perf_counter()
+        hidden = jax.ShapeDtypeStruct((cfg.max_num_seqs, self.model_config.hidden_size), cfg.jnp_dtype)
+        empty = RequestTable.empty(cfg.max_num_seqs)
+        programs = []
         for t in cfg.token_buckets:
-            token_inputs = build_inputs(self._table, [], {}, cfg, sampler, t, 1)[0]
-            for decode in sorted({False, self._decode_kernel and t in decode_buckets}):
-                last_hidden, hidden, state = _forward(self.params, state, token_inputs, model=model, uniform_decode=decode)
-                graphs += 1
+            tokens = build_inputs(empty, [], {}, cfg, sampler, t, 1)[0]
+            programs += [self._forward_program(state, tokens, decode) for decode in self._backbone_forms(t)]
             rows = np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32)
-            _prompt_logprobs(self.params, hidden, rows, rows, model=model, num_top=sampler.logprobs_width,
-                             as_logits=cfg.logprobs_mode.endswith("logits"))
-            graphs += 1
+            programs.append(self._prompt_logprobs_program(jax.ShapeDtypeStruct((t, hidden.shape[1]), hidden.dtype), rows, rows))
         for b in cfg.request_buckets:
             nowhere = np.full(b, cfg.max_num_seqs, np.int32)
+            programs.append(self._write_blocks_program(state, nowhere, np.zeros((b, cfg.max_blocks_per_req), np.int32)))
+            tokens = build_inputs(empty, [], {}, cfg, sampler, _bucket(b, cfg.token_buckets), b)[0]
             for flags in flag_variants(sampler):
                 inputs = SampleInputs(nowhere, np.zeros(b, np.int32), neutral_metadata(b, sampler, flags))
-                _, state = _sample(self.params, state, last_hidden, inputs, model=model, flags=flags)
-                graphs += 1
-            state = _write_blocks(state, nowhere, np.zeros((b, cfg.max_blocks_per_req), np.int32))
-            graphs += 1
-        jax.block_until_ready(state)
-        return state, {
+                programs.append(self._sample_program(state, hidden, inputs, flags))
+                if num_steps > 1 and flags in flag_variants(sampler)[:2]:
+                    counts = np.zeros(b, np.int32)
+                    programs.append(self._decode_loop_program(state, tokens, inputs, counts, flags, num_steps, self._decode_kernel))
+        compiled = self.programs.compile_all(programs)
+        self._warm = True
+        return {
             "token_buckets": list(cfg.token_buckets),
             "request_buckets": list(cfg.request_buckets),
-            "graphs": graphs,
+            "programs": len(programs),
+            "compiled": compiled,  # the others were compiled already, by a runner of the same configuration
             "compile_seconds": round(time.perf_counter() - start, 2),
             "kv_cache_blocks": cfg.num_blocks,
             "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
-            "kv_cache_gib": round(kv_cache_bytes(model, cfg) / 2**30, 3),
+            "kv_cache_gib": round(kv_cache_bytes(self.model_config, cfg) / 2**30, 3),
         }
+
+    def _backbone_forms(self, t_bucket: int) -> list[bool]:
+        """Backbone executables of a token bucket: general, and decode-only where a decode batch can land."""
+        decode_buckets = self.config.token_buckets[: bisect.bisect_left(self.config.token_buckets, self.config.max_num_seqs) + 1]
+        return sorted({False, self._decode_kernel and t_bucket in decode_buckets})
 
     def compile_forward(self, state: RunnerState, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""
         t_bucket = _bucket(num_tokens, self.config.token_buckets)
-        token_inputs, _, _, _ = build_inputs(self._table, [], {}, self.config, self.sampler_config, t_bucket, 1)
-        return _forward.lower(self.params, state, token_inputs, model=self.model_config, uniform_decode=uniform_decode).compile()
+        tokens = build_inputs(RequestTable.empty(self.config.max_num_seqs), [], {}, self.config, self.sampler_config, t_bucket, 1)[0]
+        return self.programs.get(self._forward_program(state, tokens, uniform_decode))

@@ -6,6 +6,8 @@
   state of each sequence's last token ([S] rows, S = max_num_seqs).
 - `sample_step` (one graph per request bucket and sampler variant): logits for the batch's rows,
   sample, append the tokens that complete a request's known tokens to its row.
+- `decode_loop` (multi-step decode, one graph per request bucket, sampler variant and step count):
+  `num_steps` rounds of forward + sample in one device call, each feeding its tokens to the next.
 - `prompt_logprobs_step` (one graph, fixed chunk): logprobs of prompt tokens from the backbone's
   hidden states, for requests that ask for prompt logprobs.
 Splitting at the last-token hidden states keeps the number of graphs at T + R, not T x R.
@@ -72,6 +74,63 @@ def sample_step(
     out = sample(logits, inp.sampling, flags, history)
     token_ids = state.token_ids.at[inp.commit_rows, inp.sampling.positions].set(out.tokens, mode="drop")
     return out, dataclasses.replace(state, token_ids=token_ids)
+
+
+def decode_round(
+    tokens: TokenInputs, samples: SampleInputs, steps: jax.Array, j: jax.Array | int, num_rows: int
+) -> tuple[TokenInputs, SampleInputs]:
+    """The inputs of round j of a multi-step decode, from round 0's.
+
+    Token i of the batch is request i's decode. Request i runs its first `steps[i]` rounds; in the
+    rounds after, its token is padding (no KV written, no token committed) and its output unused.
+    Round j > 0 reads every token from the device state, where round j - 1 committed it.
+    """
+
+    def per(n: int) -> jax.Array:  # steps per batch row, for [n]-shaped per-token or per-sequence arrays
+        return jnp.zeros(n, jnp.int32).at[: min(n, steps.shape[0])].set(steps[:n])
+
+    def offset(s: jax.Array) -> jax.Array:
+        return jnp.minimum(j, jnp.maximum(s - 1, 0))
+
+    steps_t, steps_s = per(tokens.token_ids.shape[0]), per(tokens.seq_lens.shape[0])
+    tok = dataclasses.replace(
+        tokens,
+        token_ids=jnp.where(j == 0, tokens.token_ids, -1),
+        token_rows=jnp.where(j < steps_t, tokens.token_rows, num_rows),
+        positions=tokens.positions + offset(steps_t),
+        seq_lens=tokens.seq_lens + offset(steps_s),
+    )
+    smp = SampleInputs(
+        commit_rows=jnp.where(j < steps, samples.commit_rows, num_rows),
+        history_rows=samples.history_rows,
+        sampling=dataclasses.replace(samples.sampling, positions=samples.sampling.positions + offset(steps)),
+    )
+    return tok, smp
+
+
+def decode_loop(
+    params: Params,
+    state: RunnerState,
+    tokens: TokenInputs,
+    samples: SampleInputs,
+    steps: jax.Array,
+    *,
+    model: ModelConfig,
+    flags: SamplerFlags,
+    num_steps: int,
+    uniform_decode: bool,
+) -> tuple[SamplerOutput, RunnerState]:
+    """`num_steps` rounds of `decode_round` inputs through forward + sample in one call; outputs
+    stacked [num_steps, B]."""
+
+    def round_(state: RunnerState, j: jax.Array) -> tuple[RunnerState, SamplerOutput]:
+        tok, smp = decode_round(tokens, samples, steps, j, state.token_ids.shape[0])
+        last_hidden, _, state = forward_step(params, state, tok, model=model, uniform_decode=uniform_decode)
+        out, state = sample_step(params, state, last_hidden, smp, model=model, flags=flags)
+        return state, out
+
+    state, outs = jax.lax.scan(round_, state, jnp.arange(num_steps))
+    return outs, state
 
 
 def prompt_logprobs_step(

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import jax
+import numpy as np
+
 from jaxrunner.sampling.logprobs import LogprobsArrays
 from jaxrunner.sampling_params import SamplingParams
 
@@ -46,6 +49,10 @@ class CachedRequestData:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
+    """`num_steps` > 1 asks for multi-step decode: every scheduled request is a one-token decode, and
+    each runs up to `num_steps` steps in one device call (`decode_steps` says how many; its blocks
+    must hold them)."""
+
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
@@ -53,6 +60,22 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    num_steps: int = 1
+
+
+def decode_steps(num_steps: int, num_tokens: int, num_outputs: int, params: SamplingParams, max_model_len: int) -> int:
+    """How many of a multi-step call's `num_steps` a decode request runs (at least 1).
+
+    It stops at its max_tokens and at the model length, and a call never crosses its min_tokens
+    boundary, so the stop-token ban stays fixed within the call. Scheduler and runner both use it:
+    the scheduler to allocate the blocks, the runner to run exactly those steps.
+    """
+    steps = min(num_steps, max_model_len - num_tokens)
+    if params.max_tokens is not None:
+        steps = min(steps, params.max_tokens - num_outputs)
+    if num_outputs < params.min_tokens:
+        steps = min(steps, params.min_tokens - num_outputs)
+    return max(steps, 1)
 
 
 @dataclass(frozen=True)
@@ -71,3 +94,47 @@ class RunnerOutput:
     logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
     prompt_logprobs_dict: dict[str, LogprobsArrays] = field(default_factory=dict)
     num_nans_in_logits: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PendingOutput:
+    """A dispatched step's output, still on its way from the device; `get()` waits for it.
+
+    `steps[rid]` tokens were sampled for each request that samples (device arrays in `sampled`,
+    [B] for one step or [num_steps, B], batch column i for `req_ids[i]`). A request's tokens end at its first stop token:
+    tokens a multi-step call sampled past it are dropped here. `num_top[rid]` is the number of top
+    logprobs it asked for (-1: none).
+    """
+
+    req_ids: list[str]
+    steps: dict[str, int]
+    stop_ids: dict[str, frozenset[int]]
+    num_top: dict[str, int]
+    sampled: object  # SamplerOutput of [steps, B] arrays, or None for an empty step
+    prompt_logprobs: dict[str, LogprobsArrays]
+
+    def get(self) -> RunnerOutput:
+        if not self.req_ids:
+            return RunnerOutput([], {}, [])
+        out = jax.device_get(self.sampled)
+        if out.tokens.ndim == 1:  # a single step
+            out = jax.tree.map(lambda x: x[None], out)
+        tokens, logprobs, nans = [], {}, {}
+        for i, rid in enumerate(self.req_ids):
+            column = out.tokens[: self.steps.get(rid, 0), i].tolist()
+            stops = [k for k, t in enumerate(column) if t in self.stop_ids[rid]]
+            kept = column[: stops[0] + 1] if stops else column
+            tokens.append(kept)
+            n = len(kept)
+            nans[rid] = int(np.sum(out.num_nans[: max(n, 1), i]))
+            if n and self.num_top[rid] >= 0:
+                rows = LogprobsArrays(out.logprob_token_ids[:n, i], out.logprobs[:n, i], out.ranks[:n, i])
+                logprobs[rid] = rows.select(slice(None), self.num_top[rid])
+        return RunnerOutput(
+            req_ids=self.req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(self.req_ids)},
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+            prompt_logprobs_dict=self.prompt_logprobs,
+            num_nans_in_logits=nans,
+        )

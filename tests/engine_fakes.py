@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.scheduler import Scheduler
-from jaxrunner.step_io import RunnerOutput, SchedulerOutput
+from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.step_io import RunnerOutput, SchedulerOutput, decode_steps
 
 VOCAB = 50
 
@@ -42,10 +43,15 @@ class _Row:
     tokens: list[int]
     blocks: list[int]
     computed: int
+    prompt_len: int
+    params: SamplingParams
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 64
+    ) -> None:
+        self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -60,7 +66,8 @@ class FakeRunner:
             assert new.req_id not in self.rows
             assert new.num_computed_tokens % bs == 0
             self.rows[new.req_id] = _Row(
-                list(new.all_prefill_token_ids), list(new.block_ids[0]), new.num_computed_tokens
+                list(new.all_prefill_token_ids), list(new.block_ids[0]), new.num_computed_tokens,
+                len(new.prompt_token_ids), new.sampling_params,
             )
         cached = sched.scheduled_cached_reqs
         for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
@@ -72,24 +79,33 @@ class FakeRunner:
         assert sched.total_num_scheduled_tokens <= self.max_num_batched_tokens
         assert set(sched.num_scheduled_tokens) == {n.req_id for n in sched.scheduled_new_reqs} | set(cached.req_ids)
 
-        for rid, n in sched.num_scheduled_tokens.items():
-            row = self.rows[rid]
+        req_ids = list(sched.num_scheduled_tokens)
+        sampled = [self._run(self.rows[rid], sched.num_scheduled_tokens[rid], sched.num_steps) for rid in req_ids]
+        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled)
+
+    def _run(self, row: _Row, n: int, num_steps: int) -> list[int]:
+        """Compute n tokens (or, multi-step, decode steps), cut at a stop token id; the tokens sampled."""
+        bs = self.block_size
+        steps = 1
+        if num_steps > 1:
+            assert n == 1 and row.computed + 1 == len(row.tokens), "multi-step with a non-decode"
+            steps = decode_steps(num_steps, len(row.tokens), len(row.tokens) - row.prompt_len, row.params, self.max_model_len)
+        assert len(row.blocks) * bs >= row.computed + max(n, steps), "blocks do not cover the scheduled tokens"
+        out = []
+        for _ in range(steps):
             assert n >= 1 and row.computed + n <= len(row.tokens)
-            assert len(row.blocks) * bs >= row.computed + n, f"{rid}: blocks do not cover the scheduled tokens"
             for pos in range(row.computed, row.computed + n):
                 self.cache[row.blocks[pos // bs]][pos % bs] = row.tokens[pos]
-        req_ids, sampled = list(sched.num_scheduled_tokens), []
-        for rid in req_ids:
-            row = self.rows[rid]
-            row.computed += sched.num_scheduled_tokens[rid]
+            row.computed += n
             context = [self.cache[row.blocks[p // bs]][p % bs] for p in range(row.computed)]
-            assert context == row.tokens[: row.computed], f"{rid}: the KV cache holds another request's tokens"
-            if row.computed == len(row.tokens):
-                row.tokens.append(next_token(context))
-                sampled.append([row.tokens[-1]])
-            else:
-                sampled.append([])
-        return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled)
+            assert context == row.tokens[: row.computed], "the KV cache holds another request's tokens"
+            if row.computed < len(row.tokens):
+                return out
+            row.tokens.append(next_token(context))
+            out.append(row.tokens[-1])
+            if out[-1] in (row.params.stop_token_ids or ()):
+                break
+        return out
 
 
 def check_block_invariants(bm: BlockManager) -> None:

@@ -3,6 +3,8 @@ recompute, stop conditions; and a property test over random workloads (with a fa
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,11 +17,11 @@ from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.step_io import RunnerOutput
 
 
-def make(max_num_seqs=4, budget=8, max_model_len=64, block_size=4, num_blocks=64, caching=True):
+def make(max_num_seqs=4, budget=8, max_model_len=64, block_size=4, num_blocks=64, caching=True, num_steps=1):
     scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs, budget, max_model_len), BlockManager(num_blocks, block_size, caching)
+        SchedulerConfig(max_num_seqs, budget, max_model_len, num_steps), BlockManager(num_blocks, block_size, caching)
     )
-    return scheduler, FakeRunner(num_blocks, block_size, max_num_seqs, budget)
+    return scheduler, FakeRunner(num_blocks, block_size, max_num_seqs, budget, max_model_len)
 
 
 def req(req_id: str, prompt_len: int, max_tokens: int = 8, first: int = 0, **params) -> Request:
@@ -33,13 +35,24 @@ def step(scheduler: Scheduler, runner: FakeRunner):
     return sched, scheduler.update_from_output(sched, runner.step(sched))
 
 
-def run_all(scheduler: Scheduler, runner: FakeRunner, arrivals: dict[int, list[Request]], max_steps: int = 5000) -> int:
-    """Add requests at their arrival steps and step until every request finished; the step count."""
-    n = 0
+def run_all(
+    scheduler: Scheduler,
+    runner: FakeRunner,
+    arrivals: dict[int, list[Request]],
+    max_steps: int = 5000,
+    async_scheduling: bool = False,
+) -> int:
+    """Add requests at their arrival steps and step until every request finished; the step count.
+    With `async_scheduling`, each step is scheduled before the previous one's output is taken."""
+    n, in_flight = 0, deque()
     while n <= max(arrivals, default=0) or scheduler.has_unfinished_requests():
         for request in arrivals.get(n, []):
             scheduler.add_request(request)
-        step(scheduler, runner)
+        sched = scheduler.schedule()
+        check_scheduler_invariants(scheduler)
+        in_flight.append((sched, runner.step(sched)))
+        while len(in_flight) > (1 if async_scheduling and sched.total_num_scheduled_tokens else 0):
+            scheduler.update_from_output(*in_flight.popleft())
         n += 1
         assert n < max_steps, "the scheduler stopped making progress"
     step(scheduler, runner)  # report the last finished requests to the runner
@@ -229,19 +242,21 @@ def workloads(draw):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("async_scheduling, num_steps", [(False, 1), (True, 1), (False, 4), (True, 4)])
 @given(workloads())
-def test_random_workloads_respect_budgets_and_finish_correctly(workload):
+def test_random_workloads_respect_budgets_and_finish_correctly(async_scheduling, num_steps, workload):
     """Budgets are never exceeded, no block is leaked or wrongly shared (the fake runner reads every
     context back through the block tables), and every request finishes with the tokens it would
-    produce alone."""
+    produce alone: also when steps are scheduled before the last output is back, and with
+    multi-step decode (whose extra tokens past a stop are dropped)."""
     config, prefixes, specs = workload
-    scheduler, runner = make(**config)
+    scheduler, runner = make(**config, num_steps=num_steps)
     arrivals: dict[int, list[Request]] = {}
     for i, (arrival, prefix, suffix, max_tokens, eos) in enumerate(specs):
         prompt = (prefixes[prefix] + suffix)[: config["max_model_len"] - 1] or [0]
         request = Request(f"r{i}", prompt, SamplingParams(), max_tokens=max_tokens, eos_token_id=eos)
         arrivals.setdefault(arrival, []).append(request)
-    run_all(scheduler, runner, arrivals)
+    run_all(scheduler, runner, arrivals, async_scheduling=async_scheduling)
     for request in (r for rs in arrivals.values() for r in rs):
         assert request.is_finished
         expected = reference_output(

@@ -1,8 +1,8 @@
 """LLMEngine: tokenizer, scheduler, block manager and runner, one `step()` at a time.
 
-`add_request` queues a prompt; each `step()` schedules one batch, runs `Runner.step`, appends the
-sampled tokens, detokenizes, applies stop strings and returns a `RequestOutput` for every request
-that progressed. A request with n > 1 runs as n child requests ("{i}_{id}") whose prompt blocks are
+`add_request` queues a prompt; each `step()` schedules one batch, dispatches it to the runner, takes
+the sampled tokens of the batch before it (async scheduling; of this one otherwise), detokenizes,
+applies stop strings and returns a `RequestOutput` for every request that progressed. A request with n > 1 runs as n child requests ("{i}_{id}") whose prompt blocks are
 shared through the prefix cache. A prompt that cannot run (too long, empty, unknown token ids)
 fails alone: its output has finish_reason "error" and says why.
 
@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 from jaxrunner.engine.block_manager import BlockManager
-from jaxrunner.engine.default_model import default_model, default_tokenizer
+from jaxrunner.engine.default_model import default_tokenizer
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
-from jaxrunner.engine.engine_args import EngineArgs, resolve_dtype, runner_config, scheduler_config, warm_up
+from jaxrunner.engine.engine_args import EngineArgs, load_weights, resolve_dtype, runner_config, scheduler_config, warm_up
 from jaxrunner.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
-from jaxrunner.loader import load_model
 from jaxrunner.runner import Runner
 from jaxrunner.sampling import LogprobsArrays
 from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.step_io import RunnerOutput
+from jaxrunner.step_io import PendingOutput, RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -90,20 +90,18 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         dtype = resolve_dtype(args)
-        if args.model is None:
-            self.model_config, params = default_model(dtype)
-        else:
-            self.model_config, params = load_model(args.model, dtype)
+        self.model_config, params = load_weights(args, dtype)
         self.tokenizer = load_tokenizer(args)
         self.config = runner_config(args, self.model_config, dtype)
         self.runner = Runner(self.model_config, params, self.config)
         self.state = self.runner.init_state()
+        self.startup: dict = {}  # the warm-up's report
         if warm_up(args):
-            self.state, report = self.runner.warmup(self.state)
-            logger.info("compiled %d graphs in %.1f s; KV cache: %d blocks, %d tokens, %.2f GiB", report["graphs"],
+            self.startup = report = self.runner.warmup(self.state, args.num_scheduler_steps)
+            logger.info("compiled %d programs in %.1f s; KV cache: %d blocks, %d tokens, %.2f GiB", report["compiled"],
                         report["compile_seconds"], report["kv_cache_blocks"], report["kv_cache_tokens"], report["kv_cache_gib"])
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config(self.config), self.block_manager)
+        self.scheduler = Scheduler(scheduler_config(args, self.config), self.block_manager)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
         else:
@@ -112,6 +110,7 @@ class LLMEngine:
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._failed: list[RequestOutput] = []
         self._token_texts: dict[int, str] = {}
+        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
 
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
         """Tokenize and check one prompt. Raises ValueError for sampling parameters the engine or
@@ -190,18 +189,29 @@ class LLMEngine:
         return bool(self._failed) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; the outputs of requests that progressed or finished."""
+        """Dispatch one scheduled batch, then take the output of the batch before it (async
+        scheduling: the device runs this step while the host works on the last one's tokens), or of
+        this one; the outputs of requests that progressed or finished."""
         outputs, self._failed = self._failed, []
-        if not self.scheduler.has_unfinished_requests():
-            return outputs
-        sched = self.scheduler.schedule()
-        self.state, out = self.runner.step(self.state, sched)
+        scheduled = False
+        if self.scheduler.has_unfinished_requests():
+            sched = self.scheduler.schedule()
+            self.state, pending = self.runner.dispatch(self.state, sched)
+            self._in_flight.append((sched, pending))
+            scheduled = sched.total_num_scheduled_tokens > 0
+        while len(self._in_flight) > (1 if self.args.async_scheduling and scheduled else 0):
+            sched, pending = self._in_flight.popleft()
+            outputs += self._process(sched, pending.get())
+        return outputs
+
+    def _process(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestOutput]:
         progressed: dict[str, _Parent] = {}
         for req_id, tokens in self.scheduler.update_from_output(sched, out).items():
             parent, child = self._children[req_id]
             self._add_logprobs(parent, child, out, len(tokens))
             self._detokenize(child, tokens)
             progressed[parent.request_id] = parent
+        outputs = []
         for parent in progressed.values():
             outputs.append(self._output(parent))
             if all(c.request.is_finished for c in parent.children):

@@ -14,11 +14,16 @@ from dataclasses import dataclass
 
 import jax
 
+from jaxrunner.bench.shapes import shape
 from jaxrunner.config import ModelConfig, RunnerConfig
+from jaxrunner.engine.default_model import default_model
 from jaxrunner.engine.scheduler import SchedulerConfig
+from jaxrunner.loader import load_model
+from jaxrunner.models.llama import Params, init_params
 from jaxrunner.state import kv_cache_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,11 @@ class EngineArgs:
     vocabulary); `logprobs_mode`: raw_logprobs, raw_logits, processed_logprobs or processed_logits.
     `enforce_eager`: skip compiling every bucket at start-up (they then compile when first used);
     by default start-up compiles them on a GPU, with JAX's persistent cache in ~/.cache/jaxrunner,
-    and skips it on a CPU."""
+    and skips it on a CPU. `load_format` "dummy": random weights in the model's shape, where `model`
+    is a checkpoint directory (only its config.json is read) or a benchmark shape name
+    (`jaxrunner.bench.shapes.SHAPES`). `num_scheduler_steps`: decode steps per device call when a
+    batch is all decodes (multi-step decode). `async_scheduling`: dispatch each step before the
+    previous step's output reaches the host."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -48,8 +57,17 @@ class EngineArgs:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     enforce_eager: bool | None = None
+    load_format: str = "auto"
+    num_scheduler_steps: int = 1
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.load_format == "dummy" and self.model is None:
+            raise ValueError("load_format='dummy' needs model: a checkpoint directory or a shape name")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -75,7 +93,7 @@ def resolve_dtype(args: EngineArgs) -> str:
         return args.dtype
     if not on_gpu():
         return "float32"
-    if args.model is not None:
+    if args.model is not None and os.path.isdir(args.model):
         path = os.path.join(args.model, "config.json")
         with open(path) as f:
             hf = json.load(f)
@@ -115,11 +133,12 @@ def runner_config(args: EngineArgs, model: ModelConfig, dtype: str) -> RunnerCon
     return cfg
 
 
-def scheduler_config(cfg: RunnerConfig) -> SchedulerConfig:
+def scheduler_config(args: EngineArgs, cfg: RunnerConfig) -> SchedulerConfig:
     return SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len,
+        num_scheduler_steps=args.num_scheduler_steps,
     )
 
 
@@ -133,6 +152,16 @@ def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig) -> int:
     budget = stats["bytes_limit"] * args.gpu_memory_utilization - stats["bytes_in_use"]
     per_block = kv_cache_bytes(model, dataclasses.replace(cfg, num_blocks=1))
     return max(int(0.9 * budget) // per_block, 1)
+
+
+def load_weights(args: EngineArgs, dtype: str) -> tuple[ModelConfig, Params]:
+    """The model's config and weights: the built-in tiny model, a checkpoint, or random weights."""
+    if args.model is None:
+        return default_model(dtype)
+    if args.load_format == "auto":
+        return load_model(args.model, dtype)
+    cfg = ModelConfig.from_hf(args.model) if os.path.isdir(args.model) else shape(args.model)
+    return cfg, init_params(cfg, jax.random.key(args.seed), dtype)
 
 
 def warm_up(args: EngineArgs) -> bool:

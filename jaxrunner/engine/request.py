@@ -47,6 +47,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Tokens being sampled by dispatched steps whose output has not come back (async scheduling).
+    num_pending_tokens: int = 0
     # Chained hashes of the full blocks of `all_token_ids`, filled lazily by the block manager.
     block_hashes: list[int] = field(default_factory=list)
 
@@ -61,6 +63,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_expected_tokens(self) -> int:
+        """Tokens known, plus those on their way."""
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def reached_limit(self) -> bool:
+        """Whether the tokens on their way already end the request at its max_tokens."""
+        return self.num_output_tokens + self.num_pending_tokens >= self.max_tokens
 
     @property
     def is_finished(self) -> bool:

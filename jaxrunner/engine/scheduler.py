@@ -7,6 +7,13 @@ request is preempted: its blocks are freed and it goes back to the front of the 
 recomputed later from its prompt plus the tokens it already produced (the prefix cache usually
 finds most of them). Waiting requests are admitted first come, first served while the budget,
 `max_num_seqs` and the free blocks allow, but not in a step that had to preempt.
+
+Steps may be scheduled before the previous step's tokens are back (async scheduling): a request
+counts its tokens on their way (`num_pending_tokens`) as known, and is not scheduled past its
+max_tokens or the model length. A request that stops on a token that comes back later has run one
+step for nothing; that step's token is dropped. When every scheduled request is a decode,
+`num_scheduler_steps` > 1 asks the runner for that many decode steps in one call (with the blocks
+they need), and the request takes up to that many tokens, cut at its stop.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from dataclasses import dataclass
 
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.request import Request, RequestStatus
-from jaxrunner.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from jaxrunner.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput, decode_steps
 
 
 @dataclass(frozen=True)
@@ -24,6 +31,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    num_scheduler_steps: int = 1
 
 
 class Scheduler:
@@ -36,6 +44,10 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests that left while the runner held them; reported (and forgotten) by the next step.
         self._finished_in_runner: set[str] = set()
+        # Per scheduled step, oldest first, until its output is back: for each request that samples,
+        # its preemption count when scheduled (a token from before a preemption is dropped) and how
+        # many tokens it samples.
+        self._in_flight: deque[dict[str, tuple[int, int]]] = deque()
 
     def add_request(self, request: Request) -> None:
         if request.req_id in self.requests:
@@ -60,7 +72,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.reached_limit or request.num_expected_tokens >= self.config.max_model_len:
+                i += 1  # the tokens on their way finish it
+                continue
+            n = min(request.num_expected_tokens - request.num_computed_tokens, budget)
             fresh = self.block_manager.allocate_slots(request, n)
             while fresh is None:
                 victim = self.running.pop()
@@ -93,10 +108,42 @@ class Scheduler:
             num_scheduled[request.req_id] = n
             budget -= n
 
-        out = self._build_output(admitted, num_scheduled, new_blocks, preempted)
+        steps = self._decode_steps(num_scheduled, new_blocks) if not (admitted or preempted) else None
+        out = self._build_output(admitted, num_scheduled, new_blocks, preempted, steps)
+        sampling = {}
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            if steps:  # one decode token, then a token per extra step
+                request.num_computed_tokens += steps[req_id]
+                sampling[req_id] = (request.num_preemptions, steps[req_id])
+            else:
+                request.num_computed_tokens += n
+                if request.num_computed_tokens == request.num_expected_tokens:
+                    sampling[req_id] = (request.num_preemptions, 1)
+            request.num_pending_tokens += sampling.get(req_id, (0, 0))[1]
+        self._in_flight.append(sampling)
         return out
+
+    def _decode_steps(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]]) -> dict[str, int] | None:
+        """Multi-step decode: the steps of each request when all of them are one-token decodes and
+        their blocks for the extra steps can be had (None otherwise: one step)."""
+        k = self.config.num_scheduler_steps
+        requests = [self.requests[rid] for rid in num_scheduled]
+        if k == 1 or not requests or any(r.num_computed_tokens + 1 != r.num_expected_tokens for r in requests):
+            return None
+        steps = {
+            r.req_id: decode_steps(k, r.num_expected_tokens, r.num_output_tokens + r.num_pending_tokens,
+                                   r.sampling_params, self.config.max_model_len)
+            for r in requests
+        }
+        if max(steps.values()) == 1:
+            return None
+        for r in requests:
+            fresh = self.block_manager.allocate_slots(r, steps[r.req_id])
+            if fresh is None:
+                return None
+            new_blocks[r.req_id] += fresh
+        return steps
 
     def _build_output(
         self,
@@ -104,6 +151,7 @@ class Scheduler:
         num_scheduled: dict[str, int],
         new_blocks: dict[str, list[int]],
         preempted: list[Request],
+        steps: dict[str, int] | None,
     ) -> SchedulerOutput:
         new_reqs = [
             NewRequestData(
@@ -131,29 +179,33 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
             preempted_req_ids={r.req_id for r in preempted},
+            num_steps=self.config.num_scheduler_steps if steps else 1,
         )
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> dict[str, list[int]]:
-        """Append the sampled tokens, finish requests that hit a stop condition; the new tokens per
-        request (cut at the token that finished it)."""
+        """Take the output of the oldest step in flight: append the sampled tokens and finish requests
+        that hit a stop condition; the new tokens per request (cut at the token that finished it).
+        Tokens of requests that finished or were preempted since the step was scheduled are dropped."""
         new_tokens: dict[str, list[int]] = {}
+        sampling = self._in_flight.popleft()
         for req_id in sched.num_scheduled_tokens:
-            request = self.requests[req_id]
+            request = self.requests.get(req_id)
+            preemptions, expected = sampling.get(req_id, (None, 0))
+            if request is None or (expected and request.num_preemptions != preemptions):
+                continue
+            request.num_pending_tokens -= expected
             sampled = out.sampled_token_ids[out.req_id_to_index[req_id]]
-            expected = 1 if request.num_computed_tokens == request.num_tokens else 0
-            if len(sampled) != expected:
-                raise RuntimeError(
-                    f"runner returned {len(sampled)} tokens for request {req_id!r}, expected {expected} "
-                    f"({request.num_computed_tokens} of {request.num_tokens} tokens computed)"
-                )
+            if len(sampled) > expected or (expected and not sampled):
+                raise RuntimeError(f"runner returned {len(sampled)} tokens for request {req_id!r}, expected {expected}")
             kept = []
             for token in sampled:
                 request.output_token_ids.append(token)
@@ -162,6 +214,8 @@ class Scheduler:
                 if status is not None:
                     self._finish(request, status)
                     break
+            if len(kept) < expected and not request.is_finished:
+                raise RuntimeError(f"runner returned {len(kept)} of {expected} tokens for request {req_id!r} without a stop")
             if kept:
                 new_tokens[req_id] = kept
         return new_tokens

@@ -1,0 +1,159 @@
+"""`jaxrunner bench latency`, workload W1 (DESIGN.md 8): batch 1, a 128-token prompt, 256 greedy new
+tokens, random weights in the Llama-3-8B shape; ms per decode step through the whole engine
+(scheduling, host work, dispatch, the tokens' copy back), against the floor of reading every weight
+once per step, and against Hugging Face transformers in the same invocation when it can run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jaxrunner.bench import hf_peer
+from jaxrunner.bench.shapes import COPY_BANDWIDTH, shape, weight_bytes_per_step
+from jaxrunner.config import ModelConfig
+from jaxrunner.engine.engine import LLMEngine
+from jaxrunner.engine.llm import LLM
+from jaxrunner.sampling_params import SamplingParams
+
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def hf_config(model: ModelConfig) -> dict:
+    """The Hugging Face config.json of a model shape, so the transformers peer builds the same model."""
+    rope = {"rope_type": "default", "rope_theta": model.rope_theta}
+    if model.rope_scaling is not None:
+        s = model.rope_scaling
+        rope.update(
+            rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor, original_max_position_embeddings=s.original_max_position_embeddings,
+        )
+    config = {
+        "architectures": [model.architecture],
+        "model_type": MODEL_TYPES[model.architecture],
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.intermediate_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "rms_norm_eps": model.rms_norm_eps,
+        "rope_parameters": rope,
+        "max_position_embeddings": model.max_position_embeddings,
+        "tie_word_embeddings": model.tie_word_embeddings,
+        "attention_bias": model.qkv_bias,
+        "bos_token_id": model.bos_token_id,
+        "eos_token_id": list(model.eos_token_ids),
+    }
+    if model.sliding_window is not None:
+        config.update(sliding_window=model.sliding_window, use_sliding_window=True)
+    return config
+
+
+def run(
+    shape_name: str = "llama3-8b",
+    prompt: int = 128,
+    new: int = 256,
+    iters: int = 3,
+    num_scheduler_steps: int = 8,
+    async_scheduling: bool = True,
+    seed: int = 0,
+    peer: bool = True,
+) -> dict:
+    """One warm-up generation (every graph compiled), then `iters` timed ones, each with a fresh
+    random prompt; the peer runs first, in its own process, on the same prompts."""
+    if prompt < 1 or new < 2 or iters < 1:
+        raise ValueError(f"need prompt >= 1, new >= 2 (ms per step divides by new - 1) and iters >= 1; "
+                         f"got prompt={prompt}, new={new}, iters={iters}")
+    args = dict(shape=shape_name, prompt=prompt, new=new, iters=iters, num_scheduler_steps=num_scheduler_steps,
+                async_scheduling=async_scheduling, seed=seed)
+    model = shape(shape_name)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, model.vocab_size, prompt).tolist() for _ in range(iters + 1)]
+    peer_result = (
+        hf_peer.run(dict(workload="latency", config=hf_config(model), prompts=prompts, new=new, seed=seed))
+        if peer else {"skipped": "--no-peer"}
+    )
+    llm = LLM(
+        shape_name,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_num_seqs=1,
+        max_model_len=prompt + new,
+        max_num_batched_tokens=max(prompt, 16),
+        enable_prefix_caching=False,  # every timed generation computes its prompt
+        num_scheduler_steps=num_scheduler_steps,
+        async_scheduling=async_scheduling,
+        seed=seed,
+    )
+    engine = llm.llm_engine
+    bar = tqdm(prompts, desc="W1 latency (warm-up + runs)")
+    runs = [_generate(engine, f"w1-{i}", p, new) for i, p in enumerate(bar)]
+    ttft_ms = [first * 1e3 for first, _ in runs[1:]]
+    step_ms = [step * 1e3 for _, step in runs[1:]]
+    ours = statistics.median(step_ms)
+    floor = weight_bytes_per_step(engine.runner.params) / COPY_BANDWIDTH * 1e3
+    result = {
+        "workload": "W1 latency",
+        "device": jax.devices()[0].device_kind,
+        "shape": shape_name,
+        "dtype": engine.config.dtype,
+        "args": args,
+        "ttft_ms": statistics.median(ttft_ms),
+        "ttft_ms_all": ttft_ms,
+        "decode_ms_per_step": ours,
+        "decode_ms_per_step_all": step_ms,
+        "floor_ms": floor,
+        "fraction_of_floor": floor / ours,
+        "startup": engine.startup,  # the engine's warm-up report (empty where it does not warm up)
+        "peer": peer_result,
+    }
+    if "skipped" not in peer_result:
+        result["speedup_vs_peer"] = peer_result["decode_ms_per_step"] / ours
+    return result
+
+
+def _generate(engine: LLMEngine, request_id: str, prompt: list[int], new: int) -> tuple[float, float]:
+    """Seconds from queuing one greedy request to its first token, and per decode step after it:
+    (last token - first token) / (new - 1), which holds however many tokens each step brings back."""
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    first = final = None
+    while final is None:
+        for out in engine.step():
+            if out.error is not None:
+                raise RuntimeError(f"the W1 request failed: {out.error}")
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter()
+            if out.finished:
+                final = out
+    end = time.perf_counter()
+    if len(final.outputs[0].token_ids) != new:
+        raise RuntimeError(f"the W1 request returned {len(final.outputs[0].token_ids)} tokens, not {new}")
+    return first - start, (end - first) / (new - 1)
+
+
+def summary(result: dict) -> str:
+    """A few lines for people: ours, the floor, the peer and the ratio."""
+    a = result["args"]
+    lines = [
+        f"W1 latency: {result['shape']} ({result['dtype']}) on {result['device']}, batch 1, "
+        f"{a['prompt']}-token prompt, {a['new']} new tokens, median of {a['iters']}",
+        f"  jaxrunner: {result['decode_ms_per_step']:.3f} ms per decode step, TTFT {result['ttft_ms']:.1f} ms; "
+        f"floor {result['floor_ms']:.3f} ms ({result['fraction_of_floor']:.0%} of it)",
+    ]
+    peer = result["peer"]
+    figure = "{decode_ms_per_step:.3f} ms per decode step, TTFT {ttft_ms:.1f} ms"
+    lines += hf_peer.summary_lines(peer, figure, result.get("speedup_vs_peer"), "peer ms / ours")
+    return "\n".join(lines)

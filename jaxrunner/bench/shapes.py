@@ -1,0 +1,38 @@
+"""The model shapes the benchmarks run (DESIGN.md 8), with random weights, and their floors."""
+
+from __future__ import annotations
+
+import jax
+
+from jaxrunner.config import ModelConfig, RopeScaling
+from jaxrunner.models.llama import Params
+
+SHAPES = {
+    "llama3-8b": ModelConfig(
+        "LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=131072, eos_token_ids=(128001,),
+    ),
+    "qwen3-0.6b": ModelConfig(
+        "Qwen3ForCausalLM", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+        num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True, eos_token_ids=(151645,),
+    ),
+    "tiny": ModelConfig(
+        "LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(0,),
+    ),
+}
+COPY_BANDWIDTH = 4.21e12  # bytes/s on the H200, DESIGN.md 8
+
+
+def shape(name: str) -> ModelConfig:
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; choose one of {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def weight_bytes_per_step(params: Params) -> int:
+    """Every weight is read once per decode step except an untied embedding table, which is only gathered."""
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    return total - (params["embed"].nbytes if "lm_head" in params else 0)

@@ -1,0 +1,98 @@
+"""`jaxrunner bench throughput`, workload W2 (DESIGN.md 8): 256 requests with prompt lengths uniform
+in [100, 1024], 512 greedy new tokens each (EOS ignored), random weights in the Qwen3-0.6B shape;
+output tokens per second end to end through `LLM.generate`, against Hugging Face transformers'
+continuous batching (`generate_batch`) on the same prompts when it can run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from jaxrunner.bench import hf_peer
+from jaxrunner.bench.latency import hf_config
+from jaxrunner.bench.shapes import shape
+from jaxrunner.engine.llm import LLM
+from jaxrunner.sampling_params import SamplingParams
+
+WARMUP_REQUESTS = 4
+
+
+def run(
+    shape_name: str = "qwen3-0.6b",
+    num_prompts: int = 256,
+    min_prompt: int = 100,
+    max_prompt: int = 1024,
+    new: int = 512,
+    num_scheduler_steps: int = 8,
+    async_scheduling: bool = True,
+    seed: int = 0,
+    peer: bool = True,
+) -> dict:
+    """A short warm-up generation (a few requests, prompts of their own so the prefix cache cannot
+    serve the timed ones), then one timed `generate` of all the requests; the peer runs first, in
+    its own process, on the same prompts."""
+    if num_prompts < 1 or new < 1 or not 1 <= min_prompt <= max_prompt:
+        raise ValueError(f"need num_prompts >= 1, new >= 1 and 1 <= min_prompt <= max_prompt; got "
+                         f"num_prompts={num_prompts}, new={new}, min_prompt={min_prompt}, max_prompt={max_prompt}")
+    args = dict(shape=shape_name, num_prompts=num_prompts, min_prompt=min_prompt, max_prompt=max_prompt, new=new,
+                num_scheduler_steps=num_scheduler_steps, async_scheduling=async_scheduling, seed=seed)
+    model = shape(shape_name)
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(min_prompt, max_prompt + 1, num_prompts)
+    prompts = [rng.integers(0, model.vocab_size, n).tolist() for n in lengths]
+    warmup = [rng.integers(0, model.vocab_size, min_prompt).tolist() for _ in range(WARMUP_REQUESTS)]
+    peer_result = (
+        hf_peer.run(dict(workload="throughput", config=hf_config(model), prompts=prompts, new=new, seed=seed))
+        if peer else {"skipped": "--no-peer"}
+    )
+    llm = LLM(
+        shape_name,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=max_prompt + new,
+        num_scheduler_steps=num_scheduler_steps,
+        async_scheduling=async_scheduling,
+        seed=seed,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    llm.generate(warmup, params, use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    if failed := [out.error for out in outputs if out.error is not None]:
+        raise RuntimeError(f"{len(failed)} of {num_prompts} W2 requests failed, e.g.: {failed[0]}")
+    tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    result = {
+        "workload": "W2 throughput",
+        "device": jax.devices()[0].device_kind,
+        "shape": shape_name,
+        "dtype": llm.llm_engine.config.dtype,
+        "args": args,
+        "elapsed_s": elapsed,
+        "prompt_tokens": int(lengths.sum()),
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / elapsed,
+        "startup": llm.llm_engine.startup,  # the engine's warm-up report (empty where it does not warm up)
+        "peer": peer_result,
+    }
+    if "skipped" not in peer_result:
+        result["speedup_vs_peer"] = result["tokens_per_s"] / peer_result["tokens_per_s"]
+    return result
+
+
+def summary(result: dict) -> str:
+    """A few lines for people: ours, the peer and the ratio."""
+    a = result["args"]
+    lines = [
+        f"W2 throughput: {result['shape']} ({result['dtype']}) on {result['device']}, {a['num_prompts']} requests, "
+        f"prompts of {a['min_prompt']}-{a['max_prompt']} tokens, {a['new']} new tokens each",
+        f"  jaxrunner: {result['tokens_per_s']:.0f} output tokens/s "
+        f"({result['output_tokens']} in {result['elapsed_s']:.2f} s)",
+    ]
+    peer = result["peer"]
+    figure = "{tokens_per_s:.0f} output tokens/s ({output_tokens} in {elapsed_s:.2f} s)"
+    lines += hf_peer.summary_lines(peer, figure, result.get("speedup_vs_peer"), "ours / peer tokens/s")
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""`jaxrunner bench latency` / `throughput` on the tiny shape, and the transformers peer's model config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from transformers import AutoConfig
+
+from jaxrunner.bench.latency import hf_config
+from jaxrunner.bench.shapes import SHAPES
+from jaxrunner.cli import main
+from jaxrunner.config import ModelConfig
+
+
+@pytest.fixture(autouse=True)
+def no_out_dir(monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+
+
+def _bench(tmp_path, capsys, *args: str) -> tuple[dict, str]:
+    path = tmp_path / "result.json"
+    assert main(["bench", *args, "--shape", "tiny", "--no-peer", "--json", str(path)]) == 0
+    return json.loads(path.read_text()), capsys.readouterr().out
+
+
+def test_latency(tmp_path, capsys):
+    result, out = _bench(tmp_path, capsys, "latency", "--prompt", "8", "--new", "8", "--iters", "1")
+    assert result["args"] == dict(shape="tiny", prompt=8, new=8, iters=1, num_scheduler_steps=8,
+                                  async_scheduling=True, seed=0)
+    assert result["device"] and result["dtype"] == "float32"
+    assert result["ttft_ms"] > 0 and result["decode_ms_per_step"] > 0 and len(result["decode_ms_per_step_all"]) == 1
+    assert result["floor_ms"] > 0 and result["fraction_of_floor"] == result["floor_ms"] / result["decode_ms_per_step"]
+    assert result["peer"] == {"skipped": "--no-peer"} and "speedup_vs_peer" not in result
+    assert "ms per decode step" in out and "skipped (--no-peer)" in out
+
+
+def test_throughput(tmp_path, capsys):
+    args = ["throughput", "--num-prompts", "4", "--min-prompt", "5", "--max-prompt", "20", "--new", "8"]
+    result, out = _bench(tmp_path, capsys, *args, "--num-scheduler-steps", "1", "--no-async-scheduling")
+    assert result["args"]["num_scheduler_steps"] == 1 and result["args"]["async_scheduling"] is False
+    assert result["output_tokens"] == 4 * 8 and 4 * 5 <= result["prompt_tokens"] <= 4 * 20
+    assert result["elapsed_s"] > 0 and result["tokens_per_s"] == result["output_tokens"] / result["elapsed_s"]
+    assert "output tokens/s" in out
+
+
+def test_bad_sizes_exit_with_a_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "latency", "--shape", "tiny", "--new", "1", "--no-peer"])
+    assert exit_info.value.code == 2 and "new >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "model",
+    [*SHAPES.values(), dataclasses.replace(SHAPES["tiny"], architecture="MistralForCausalLM", sliding_window=64)],
+)
+def test_hf_config_describes_the_same_model(model):
+    """The peer builds its model from this dict: read back the way a checkpoint's config is, it is the shape."""
+    config = hf_config(model)
+    assert json.loads(json.dumps(config)) == config
+    assert ModelConfig.from_hf_config(AutoConfig.for_model(**config)) == model
+
+
+def test_peer_on_the_tiny_shape():
+    """The transformers peer end to end (float32 on CPU when torch has no GPU: `allow_cpu`)."""
+    pytest.importorskip("torch")
+    from jaxrunner.bench import hf_peer
+
+    spec = dict(config=hf_config(SHAPES["tiny"]), new=4, seed=0, compile=False, allow_cpu=True)
+    latency = hf_peer.measure(dict(spec, workload="latency", prompts=[[1, 2, 3, 4, 5]] * 2))
+    assert latency["decode_ms_per_step"] > 0 and latency["ttft_ms"] > 0
+    throughput = hf_peer.measure(dict(spec, workload="throughput", prompts=[[1, 2, 3], [4, 5, 6, 7, 8]]))
+    assert throughput["output_tokens"] == 2 * 4 and throughput["tokens_per_s"] > 0
