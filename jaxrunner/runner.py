@@ -287,6 +287,21 @@ class Runner:
         decode_buckets = self.config.token_buckets[: bisect.bisect_left(self.config.token_buckets, self.config.max_num_seqs) + 1]
         return sorted({False, self._decode_kernel and t_bucket in decode_buckets})
 
+    def peak_step_bytes(self) -> int:
+        """Temporary device memory of the largest step (the largest token bucket's backbone, then the
+        fullest sampler at the largest request bucket), from their compiled executables: a profiling
+        compile that needs no cache allocated (the cache is aliased, so its size changes nothing)."""
+        cfg, sampler = self.config, self.sampler_config
+        state = jax.eval_shape(self.init_state)
+        hidden = jax.ShapeDtypeStruct((cfg.max_num_seqs, self.model_config.hidden_size), cfg.jnp_dtype)
+        b, flags = cfg.request_buckets[-1], flag_variants(sampler)[-1]
+        inputs = SampleInputs(np.full(b, cfg.max_num_seqs, np.int32), np.zeros(b, np.int32), neutral_metadata(b, sampler, flags))
+        executables = [
+            self.compile_forward(state, cfg.max_num_batched_tokens),
+            self.programs.get(self._sample_program(state, hidden, inputs, flags)),
+        ]
+        return max(exe.memory_analysis().temp_size_in_bytes for exe in executables)
+
     def compile_forward(self, state: RunnerState, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""
         t_bucket = _bucket(num_tokens, self.config.token_buckets)

@@ -92,7 +92,7 @@ class LLMEngine:
         dtype = resolve_dtype(args)
         self.model_config, params = load_weights(args, dtype)
         self.tokenizer = load_tokenizer(args)
-        self.config = runner_config(args, self.model_config, dtype)
+        self.config = runner_config(args, self.model_config, params, dtype)
         self.runner = Runner(self.model_config, params, self.config)
         self.state = self.runner.init_state()
         self.startup: dict = {}  # the warm-up's report

@@ -1,7 +1,7 @@
 """Engine arguments, with vLLM's names, and how they become the runner's and scheduler's sizes.
 
 Defaults depend on the platform: on a GPU they follow vLLM (256 sequences, 8192 tokens per step,
-the checkpoint's dtype, the KV cache sized from free memory); on a CPU they are small (8 sequences,
+the checkpoint's dtype, the KV cache sized from the memory left by the weights and the largest step); on a CPU they are small (8 sequences,
 256 tokens per step, float32), because every bucket is compiled and CPU compilation is slow.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -20,7 +21,10 @@ from jaxrunner.engine.default_model import default_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.loader import load_model
 from jaxrunner.models.llama import Params, init_params
+from jaxrunner.runner import Runner
 from jaxrunner.state import kv_cache_bytes
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -103,7 +107,7 @@ def resolve_dtype(args: EngineArgs) -> str:
     return "bfloat16"
 
 
-def runner_config(args: EngineArgs, model: ModelConfig, dtype: str) -> RunnerConfig:
+def runner_config(args: EngineArgs, model: ModelConfig, params: Params, dtype: str) -> RunnerConfig:
     gpu = on_gpu()
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -123,7 +127,7 @@ def runner_config(args: EngineArgs, model: ModelConfig, dtype: str) -> RunnerCon
         logprobs_mode=args.logprobs_mode,
         compilation_cache_dir="~/.cache/jaxrunner/xla" if gpu else None,
     )
-    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, sizes))
+    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes))
     if cfg.num_blocks * cfg.block_size < max_model_len:
         raise ValueError(
             f"the KV cache ({cfg.num_blocks} blocks of {cfg.block_size} tokens) cannot hold one sequence of "
@@ -142,16 +146,32 @@ def scheduler_config(args: EngineArgs, cfg: RunnerConfig) -> SchedulerConfig:
     )
 
 
-def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig) -> int:
-    """On GPU: what `gpu_memory_utilization` of the device leaves after the weights (already loaded),
-    less a tenth for the step's activations. On CPU: enough for every sequence at full length."""
-    full = cfg.max_num_seqs * cfg.max_blocks_per_req
+def _num_blocks(args: EngineArgs, model: ModelConfig, params: Params, cfg: RunnerConfig) -> int:
+    """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
+    (already loaded) and the largest step's activations (measured from its compiled executables)
+    are set aside. On CPU: enough for every sequence at full length."""
     stats = jax.devices()[0].memory_stats() if on_gpu() else None
     if not stats:
-        return full
-    budget = stats["bytes_limit"] * args.gpu_memory_utilization - stats["bytes_in_use"]
+        return cfg.max_num_seqs * cfg.max_blocks_per_req
+    activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1)).peak_step_bytes()
     per_block = kv_cache_bytes(model, dataclasses.replace(cfg, num_blocks=1))
-    return max(int(0.9 * budget) // per_block, 1)
+    blocks = kv_blocks_that_fit(stats["bytes_limit"], stats["bytes_in_use"], activations, args.gpu_memory_utilization, per_block)
+    logger.info("KV cache sizing: %.2f GiB device, %.2f GiB in use (weights), %.2f GiB for the largest step's "
+                "activations: %d blocks", stats["bytes_limit"] / 2**30, stats["bytes_in_use"] / 2**30, activations / 2**30, blocks)
+    return blocks
+
+
+def kv_blocks_that_fit(limit: int, in_use: int, activations: int, utilization: float, per_block: int) -> int:
+    """KV blocks in `utilization` of `limit` bytes after what is `in_use` and the step's `activations`."""
+    blocks = int(limit * utilization - in_use - activations) // per_block
+    if blocks < 1:
+        gib = 2**30
+        raise ValueError(
+            f"no room for a KV cache: the weights and buffers in use ({in_use / gib:.2f} GiB) and the largest "
+            f"step's activations ({activations / gib:.2f} GiB) exceed gpu_memory_utilization={utilization} of "
+            f"{limit / gib:.2f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs"
+        )
+    return blocks
 
 
 def load_weights(args: EngineArgs, dtype: str) -> tuple[ModelConfig, Params]:

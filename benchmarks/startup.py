@@ -1,0 +1,41 @@
+"""Engine start-up for a benchmark shape with the default GPU configuration: KV sizing, then every
+program compiled ahead of time. Run it twice: the second run reads JAX's persistent compilation
+cache (~/.cache/jaxrunner/xla), so it gives the cached figure.
+
+    PYTHONPATH=$PWD python benchmarks/startup.py --shape llama3-8b [--num-scheduler-steps 8]
+Writes $OUT/startup_{shape}_{n}.json when OUT is set (n counts the runs already written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import os
+import time
+
+from jaxrunner.bench.shapes import SHAPES
+from jaxrunner.engine import LLM
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--num-scheduler-steps", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    start = time.perf_counter()
+    llm = LLM(args.shape, load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
+              num_scheduler_steps=args.num_scheduler_steps, enforce_eager=False)
+    result = {**vars(args), "engine_start_s": round(time.perf_counter() - start, 2), **llm.llm_engine.startup}
+    print(json.dumps(result, indent=1))
+    if out := os.environ.get("OUT"):
+        n = len(glob.glob(os.path.join(out, f"startup_{args.shape}_*.json")))
+        with open(os.path.join(out, f"startup_{args.shape}_{n}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

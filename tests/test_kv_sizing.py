@@ -1,0 +1,29 @@
+"""KV cache sizing: the largest step's activation memory, measured from its compiled executables,
+and the blocks that fit beside it and the weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxrunner import Runner, RunnerConfig
+from jaxrunner.engine.default_model import default_model
+from jaxrunner.engine.engine_args import kv_blocks_that_fit
+
+
+def test_peak_step_bytes_grows_with_the_largest_bucket():
+    cfg, params = default_model()
+    small = RunnerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, num_blocks=1)
+    peaks = [
+        Runner(cfg, params, dataclasses.replace(small, max_num_batched_tokens=n, token_buckets=())).peak_step_bytes()
+        for n in (32, 512)
+    ]
+    assert 0 < peaks[0] < peaks[1]
+
+
+def test_blocks_fit_beside_the_weights_and_the_step():
+    gib = 2**30
+    assert kv_blocks_that_fit(100 * gib, 16 * gib, 2 * gib, 0.9, gib // 8) == 8 * (90 - 16 - 2)
+    with pytest.raises(ValueError, match="no room for a KV cache.*raise gpu_memory_utilization"):
+        kv_blocks_that_fit(100 * gib, 60 * gib, 31 * gib, 0.9, gib)
