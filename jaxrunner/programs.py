@@ -32,9 +32,6 @@ class Programs:
         self._compiled: dict[Hashable, jax.stages.Compiled] = {}
         self.compiled_on_use = 0
 
-    def __len__(self) -> int:
-        return len(self._compiled)
-
     def __contains__(self, key: Hashable) -> bool:
         return key in self._compiled
 

@@ -1,8 +1,9 @@
 """Engine arguments, with vLLM's names, and how they become the runner's and scheduler's sizes.
 
 Defaults depend on the platform: on a GPU they follow vLLM (256 sequences, 8192 tokens per step,
-the checkpoint's dtype, the KV cache sized from the memory left by the weights and the largest step); on a CPU they are small (8 sequences,
-256 tokens per step, float32), because every bucket is compiled and CPU compilation is slow.
+the checkpoint's dtype, the KV cache sized from the memory left by the weights and the largest
+step); on a CPU they are small (8 sequences, 256 tokens per step, float32), because every bucket
+is compiled and CPU compilation is slow.
 """
 
 from __future__ import annotations
