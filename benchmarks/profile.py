@@ -81,6 +81,14 @@ def floor_ms(runner: Runner, batch: int, context: int) -> float:
     return max((weights + batch * context * per_token_kv) / COPY_BANDWIDTH, flops / 790e12) * 1e3
 
 
+def trace_kernels(run) -> list[tuple[str, int, int]]:
+    """Call `run()` under the profiler; the kernels and copies the GPU ran meanwhile."""
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        run()
+    return gpu_kernels(trace_dir)
+
+
 def gpu_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
     """(name, start ns, end ns) of every kernel and copy the GPU ran in the trace."""
     path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
@@ -135,15 +143,13 @@ def main() -> None:
     runner, state, scheds = decode_batch(args.shape, args.batch, args.context, 2 * args.steps + 3, args.decode_steps)
     state, _ = pipelined(runner, state, scheds[:3])  # compile and warm
     state, seconds = pipelined(runner, state, scheds[3 : 3 + args.steps])
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir):
-        state, _ = pipelined(runner, state, scheds[3 + args.steps :])
+    events = trace_kernels(lambda: pipelined(runner, state, scheds[3 + args.steps :]))
     result = {
         "device": jax.devices()[0].device_kind, **vars(args),
         "wall_ms_per_step": seconds / args.steps / args.decode_steps * 1e3,
         "floor_ms": floor_ms(runner, args.batch, args.context),
     }
-    result |= summarise(gpu_kernels(trace_dir), args.steps * args.decode_steps)
+    result |= summarise(events, args.steps * args.decode_steps)
     print(json.dumps(result, indent=1))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"profile_b{args.batch}_c{args.context}_k{args.decode_steps}.json"), "w") as f:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 from driver import drive
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
 from jaxrunner.loader import load_model
 
 MODEL = Path(__file__).parent / "data" / "models" / "tiny-qwen2"
+DECODE_FORMS = int(jax.default_backend() == "gpu")  # on GPU, the 16-token bucket's decode-kernel backbone
 
 
 def test_varied_workload_after_warmup_compiles_nothing():
@@ -17,7 +19,7 @@ def test_varied_workload_after_warmup_compiles_nothing():
     runner = Runner(cfg, params, config)
     report = runner.warmup(runner.init_state())
     # 3 token buckets x (backbone + prompt logprobs), 3 request buckets x (block write + 6 sampler variants)
-    assert report["programs"] == 3 * 2 + 3 * 7 and report["kv_cache_tokens"] == 512
+    assert report["programs"] == 3 * 2 + DECODE_FORMS + 3 * 7 and report["kv_cache_tokens"] == 512
     compiled = runner.programs.compiled_on_use
 
     prompts = [list(range(3, 3 + n)) for n in (5, 30, 61, 12)]
@@ -35,7 +37,7 @@ def test_varied_workload_after_warmup_compiles_nothing():
 def test_engine_warms_up_multi_step_decode_and_then_compiles_nothing():
     llm = LLM(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, enforce_eager=False, num_scheduler_steps=4)
     runner = llm.llm_engine.runner
-    assert llm.llm_engine.startup["programs"] == 2 * 2 + 2 * (1 + 6 + 2)  # + multi-step decode: plain, with logprobs
+    assert llm.llm_engine.startup["programs"] == 2 * 2 + DECODE_FORMS + 2 * (1 + 6 + 2)  # + multi-step decode: plain, with logprobs
     compiled = runner.programs.compiled_on_use
     params = [
         SamplingParams(temperature=0.0, max_tokens=9, logprobs=1),
