@@ -4,7 +4,8 @@ bandwidth, or the FLOPs at 790 TFLOP/s). Steps are dispatched as the engine does
 per call) and timed untraced.
 
     PYTHONPATH=$PWD python benchmarks/batch_sweep.py --shape llama3-8b --context 1024
-Writes $OUT/batch_sweep.json and $OUT/batch_sweep.png (matplotlib) when OUT is set.
+Writes $OUT/batch_sweep.json and $OUT/batch_sweep.png (matplotlib) when OUT is set. Runs split
+over several device calls merge into one plot with `--merge a.json b.json --png out.png`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,19 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="plot the rows of earlier runs instead of measuring")
+    parser.add_argument("--png", help="with --merge: where to write the plot (the merged JSON goes beside it)")
     args = parser.parse_args()
+    if args.merge:
+        runs = [json.load(open(path)) for path in args.merge]
+        if len({(r["shape"], r["context"], r["device"]) for r in runs}) != 1:
+            raise SystemExit("--merge: the runs differ in shape, context or device")
+        rows = sorted((row for r in runs for row in r["rows"]), key=lambda row: row["batch"])
+        result = runs[0] | {"batches": [row["batch"] for row in rows], "rows": rows}
+        with open(os.path.splitext(args.png)[0] + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        plot(result, args.png)
+        return
 
     rows = []
     for batch in args.batches:

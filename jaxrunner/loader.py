@@ -10,29 +10,25 @@ import jax.numpy as jnp
 from safetensors import safe_open
 
 from jaxrunner.config import ModelConfig
-from jaxrunner.models.llama import Params, param_shapes
+from jaxrunner.models.llama import Params, fused_parts, param_shapes
 
-# Our name -> (Hugging Face name, stored transposed?). HF linear weights are [out, in]; ours are [in, out].
+# Our name -> (Hugging Face names, stored transposed?). HF linear weights are [out, in]; ours are
+# [in, out]. A tensor with several HF names is their concatenation along its last axis (llama.fused_parts).
 _LAYER_NAMES = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
+    "attn_norm": (("input_layernorm.weight",), False),
+    "wqkv": (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), True),
+    "wo": (("self_attn.o_proj.weight",), True),
+    "bqkv": (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), False),
+    "q_norm": (("self_attn.q_norm.weight",), False),
+    "k_norm": (("self_attn.k_norm.weight",), False),
+    "mlp_norm": (("post_attention_layernorm.weight",), False),
+    "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
+    "w_down": (("mlp.down_proj.weight",), True),
 }
 _TOP_NAMES = {
-    "embed": ("model.embed_tokens.weight", False),
-    "final_norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", True),
+    "embed": (("model.embed_tokens.weight",), False),
+    "final_norm": (("model.norm.weight",), False),
+    "lm_head": (("lm_head.weight",), True),
 }
 
 
@@ -61,25 +57,33 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32
         f = safe_open(file, framework="flax")
         handles.update({name: f for name in f.keys()})
 
-    shapes = param_shapes(cfg)
-    wanted = {name: (_TOP_NAMES[name], shape) for name, shape in shapes.items() if name != "layers"}
+    shapes, fused = param_shapes(cfg), fused_parts(cfg)
+    wanted = {}  # key -> [(HF name, transposed, expected shape)] whose concatenation is the tensor
+    for name, shape in shapes.items():
+        if name != "layers":
+            hf_names, transposed = _TOP_NAMES[name]
+            wanted[name] = [(hf_names[0], transposed, shape)]
     for i, layer in enumerate(shapes["layers"]):
         for name, shape in layer.items():
-            hf_name, transposed = _LAYER_NAMES[name]
-            wanted[(i, name)] = ((f"model.layers.{i}.{hf_name}", transposed), shape)
+            hf_names, transposed = _LAYER_NAMES[name]
+            widths = fused.get(name, (shape[-1],))
+            wanted[(i, name)] = [(f"model.layers.{i}.{hf}", transposed, shape[:-1] + (width,))
+                                 for hf, width in zip(hf_names, widths, strict=True)]
 
-    missing = [hf for (hf, _), _ in wanted.values() if hf not in handles]
+    missing = [hf for parts in wanted.values() for hf, _, _ in parts if hf not in handles]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors the config needs: {', '.join(missing[:8])}")
 
     loaded, wrong = {}, []
-    for key, ((hf_name, transposed), shape) in wanted.items():
-        raw = handles[hf_name].get_tensor(hf_name)
-        tensor = raw.T if transposed else raw
-        if tuple(tensor.shape) != shape:
-            wrong.append(f"{hf_name}: expected {shape[::-1] if transposed else shape}, got {tuple(raw.shape)}")
-            continue
-        loaded[key] = jnp.asarray(tensor, dtype=dtype)
+    for key, parts in wanted.items():
+        tensors = []
+        for hf_name, transposed, shape in parts:
+            raw = handles[hf_name].get_tensor(hf_name)
+            tensor = raw.T if transposed else raw
+            if tuple(tensor.shape) != shape:
+                wrong.append(f"{hf_name}: expected {shape[::-1] if transposed else shape}, got {tuple(raw.shape)}")
+            tensors.append(jnp.asarray(tensor, dtype=dtype))
+        loaded[key] = tensors[0] if len(tensors) == 1 else jnp.concatenate(tensors, axis=-1)
     if wrong:
         raise ValueError(f"checkpoint {path!r} has mis-shaped tensors: {'; '.join(wrong[:8])}")
 

@@ -2,8 +2,8 @@
 
 `jax.jit` compiles on first use, and serving must not compile; so the runner keeps its executables
 itself, keyed by what makes them differ. `compile_all` lowers the programs one after another
-(tracing is Python) and compiles them on a thread pool, where XLA works without the GIL: start-up
-then takes about the longest compiles, not their sum. A program nobody compiled ahead compiles on
+(tracing is Python) and compiles them on a thread pool, where XLA works without the GIL, each
+compile starting as soon as its program is lowered. A program nobody compiled ahead compiles on
 first use and is counted in `compiled_on_use`, so a test can assert that serving compiled nothing.
 """
 
@@ -49,11 +49,13 @@ class Programs:
         return self._compiled[program.key]
 
     def compile_all(self, programs: Sequence[Program], workers: int | None = None) -> int:
-        """Compile the programs not compiled yet, in parallel; how many were compiled."""
+        """Compile the programs not compiled yet, in parallel; how many were compiled. Each program is
+        handed to the pool as soon as it is lowered, so lowering the next (Python, under the GIL)
+        overlaps compiling the previous ones: list the slowest compiles first."""
         todo = {p.key: p for p in programs if p.key not in self._compiled}
-        lowered = [(key, p.fn.lower(*p.args, **p.statics)) for key, p in todo.items()]
-        workers = workers or min(len(lowered), os.cpu_count() or 1) or 1
+        workers = workers or min(len(todo), os.cpu_count() or 1) or 1
         with ThreadPoolExecutor(workers) as pool:
-            for (key, _), exe in zip(lowered, pool.map(lambda kl: kl[1].compile(), lowered)):
-                self._compiled[key] = exe
-        return len(lowered)
+            futures = {key: pool.submit(p.fn.lower(*p.args, **p.statics).compile) for key, p in todo.items()}
+            for key, future in futures.items():
+                self._compiled[key] = future.result()
+        return len(todo)

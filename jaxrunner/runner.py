@@ -243,32 +243,11 @@ class Runner:
                             as_logits=self.config.logprobs_mode.endswith("logits")))
 
     def warmup(self, state: RunnerState, num_steps: int = 1) -> dict:
-        """Compile, in parallel, every program a step can run: the backbone per token bucket (and its
-        decode form), the sampler per request bucket and variant, block writes, prompt logprobs,
-        and with `num_steps` > 1 the multi-step decode per request bucket for plain sampling
-        (temperature, seeds, logprobs; other batches run its rounds through the single-step
-        programs). Serving then never compiles. Returns a start-up report (programs, seconds, KV
-        cache size)."""
-        cfg, sampler = self.config, self.sampler_config
+        """Compile, in parallel, every program a step can run (`warmup_programs`): serving then never
+        compiles. Returns a start-up report (programs, seconds, KV cache size)."""
+        cfg = self.config
         start = time.perf_counter()
-        hidden = jax.ShapeDtypeStruct((cfg.max_num_seqs, self.model_config.hidden_size), cfg.jnp_dtype)
-        empty = RequestTable.empty(cfg.max_num_seqs)
-        programs = []
-        for t in cfg.token_buckets:
-            tokens = build_inputs(empty, [], {}, cfg, sampler, t, 1)[0]
-            programs += [self._forward_program(state, tokens, decode) for decode in self._backbone_forms(t)]
-            rows = np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32)
-            programs.append(self._prompt_logprobs_program(jax.ShapeDtypeStruct((t, hidden.shape[1]), hidden.dtype), rows, rows))
-        for b in cfg.request_buckets:
-            nowhere = np.full(b, cfg.max_num_seqs, np.int32)
-            programs.append(self._write_blocks_program(state, nowhere, np.zeros((b, cfg.max_blocks_per_req), np.int32)))
-            tokens = build_inputs(empty, [], {}, cfg, sampler, _bucket(b, cfg.token_buckets), b)[0]
-            for flags in flag_variants(sampler):
-                inputs = SampleInputs(nowhere, np.zeros(b, np.int32), neutral_metadata(b, sampler, flags))
-                programs.append(self._sample_program(state, hidden, inputs, flags))
-                if num_steps > 1 and flags in flag_variants(sampler)[:2]:
-                    counts = np.zeros(b, np.int32)
-                    programs.append(self._decode_loop_program(state, tokens, inputs, counts, flags, num_steps, self._decode_kernel))
+        programs = self.warmup_programs(state, num_steps)
         compiled = self.programs.compile_all(programs)
         self._warm = True
         return {
@@ -281,6 +260,32 @@ class Runner:
             "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
             "kv_cache_gib": round(kv_cache_bytes(self.model_config, cfg) / 2**30, 3),
         }
+
+    def warmup_programs(self, state: RunnerState, num_steps: int = 1) -> list[Program]:
+        """Every program a step can run, slowest compiles first: the backbone per token bucket (and its
+        decode form), with `num_steps` > 1 the multi-step decode per request bucket for plain
+        sampling (temperature, seeds, logprobs; other batches run its rounds through the single-step
+        programs), then the sampler per request bucket and variant, block writes, prompt logprobs."""
+        cfg, sampler = self.config, self.sampler_config
+        hidden = jax.ShapeDtypeStruct((cfg.max_num_seqs, self.model_config.hidden_size), cfg.jnp_dtype)
+        empty = RequestTable.empty(cfg.max_num_seqs)
+        models, rest = [], []  # whole-model programs compile slowest: they reach the pool first
+        for t in reversed(cfg.token_buckets):
+            tokens = build_inputs(empty, [], {}, cfg, sampler, t, 1)[0]
+            models += [self._forward_program(state, tokens, decode) for decode in self._backbone_forms(t)]
+            rows = np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32)
+            rest.append(self._prompt_logprobs_program(jax.ShapeDtypeStruct((t, hidden.shape[1]), hidden.dtype), rows, rows))
+        for b in reversed(cfg.request_buckets):
+            nowhere = np.full(b, cfg.max_num_seqs, np.int32)
+            rest.append(self._write_blocks_program(state, nowhere, np.zeros((b, cfg.max_blocks_per_req), np.int32)))
+            tokens = build_inputs(empty, [], {}, cfg, sampler, _bucket(b, cfg.token_buckets), b)[0]
+            for flags in flag_variants(sampler):
+                inputs = SampleInputs(nowhere, np.zeros(b, np.int32), neutral_metadata(b, sampler, flags))
+                rest.append(self._sample_program(state, hidden, inputs, flags))
+                if num_steps > 1 and flags in flag_variants(sampler)[:2]:
+                    counts = np.zeros(b, np.int32)
+                    models.append(self._decode_loop_program(state, tokens, inputs, counts, flags, num_steps, self._decode_kernel))
+        return models + rest
 
     def _backbone_forms(self, t_bucket: int) -> list[bool]:
         """Backbone executables of a token bucket: general, and decode-only where a decode batch can land."""

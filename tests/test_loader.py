@@ -31,7 +31,8 @@ def test_configs_of_each_family():
 def test_loads_in_the_requested_dtype():
     cfg, params = load_model(MODELS / "tiny-qwen3", "bfloat16")
     assert params["embed"].dtype == jnp.bfloat16 and "lm_head" not in params
-    assert params["layers"][1]["wq"].shape == (cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    assert params["layers"][1]["wqkv"].shape == (cfg.hidden_size, q + 2 * kv)
 
 
 def copy_of(tmp_path: Path, name: str) -> Path:
@@ -83,4 +84,11 @@ def test_no_safetensors(tmp_path):
     path = copy_of(tmp_path, "tiny-llama")
     (path / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_model(path)
+
+
+def test_misshaped_part_of_a_fused_tensor_is_named(tmp_path):
+    path = copy_of(tmp_path, "tiny-llama")
+    rewrite_weights(path, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": t["model.layers.0.self_attn.q_proj.weight"]}))
+    with pytest.raises(ValueError, match=r"mis-shaped.*model\.layers\.0\.self_attn\.k_proj\.weight: expected \(32, 64\), got \(64, 64\)"):
         load_model(path)

@@ -1,13 +1,19 @@
-"""After `Runner.warmup`, a varied workload compiles nothing new."""
+"""After `Runner.warmup`, a varied workload compiles nothing new; and what keeps warm-up short."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 import jax
 from driver import drive
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
+from jaxrunner.bench.shapes import shape
+from jaxrunner.input_batch import RequestTable, build_inputs
 from jaxrunner.loader import load_model
+from jaxrunner.models.llama import init_params
+from jaxrunner.step import forward_step
 
 MODEL = Path(__file__).parent / "data" / "models" / "tiny-qwen2"
 DECODE_FORMS = int(jax.default_backend() == "gpu")  # on GPU, the 16-token bucket's decode-kernel backbone
@@ -46,3 +52,15 @@ def test_engine_warms_up_multi_step_decode_and_then_compiles_nothing():
     outs = llm.generate(["Hello there, how are", "A longer prompt that needs a second chunk of tokens"], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [9, 7]
     assert runner.programs.compiled_on_use == compiled
+
+
+def test_a_step_lowers_its_attention_once_for_all_layers():
+    # On a GPU, lowering the Pallas kernels into Triton once per layer was most of start-up.
+    model = dataclasses.replace(shape("tiny"), num_layers=4)
+    config = RunnerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_blocks=64)
+    runner = Runner(model, init_params(model, jax.random.key(0)), config)
+    tokens = build_inputs(RequestTable.empty(config.max_num_seqs), [], {}, config, runner.sampler_config, 16, 1)[0]
+    step = jax.jit(forward_step, static_argnames=("model", "uniform_decode"))
+    text = step.lower(runner.params, runner.init_state(), tokens, model=model, uniform_decode=False).as_text()
+    assert len(re.findall(r"func\.func private @_attend_layer\b", text)) == 1
+    assert len(re.findall(r"call @_attend_layer\b", text)) == 4

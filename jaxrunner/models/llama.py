@@ -1,10 +1,12 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) as pure functions over a params pytree.
 
-Params are plain dicts named after the Hugging Face tensors, with every matrix stored [in, out].
-Layers are a tuple of per-layer dicts and the forward pass unrolls them in Python: XLA then sees
-one array per layer and never copies a layer's weights out of a stacked array (a `lax.scan` over
-stacked weights does, and runs decode ~2.6x slower; DESIGN.md 8). Which optional tensors exist
-(q/k/v bias, q/k norm, an untied LM head) is fixed by the ModelConfig.
+Params are plain dicts, every matrix stored [in, out]. Layers are a tuple of per-layer dicts and
+the forward pass unrolls them in Python: XLA then sees one array per layer and never copies a
+layer's weights out of a stacked array (a `lax.scan` over stacked weights does, and runs decode
+~2.6x slower; DESIGN.md 8). The projections that read the same input are stored side by side (q|k|v,
+gate|up): at decode one wide matmul streams its weight faster than two or three narrow ones
+(docs/benchmarks.md, `benchmarks/matmul.py`). Which optional tensors exist (q/k/v bias, q/k norm, an
+untied LM head) is fixed by the ModelConfig.
 """
 
 from __future__ import annotations
@@ -23,23 +25,30 @@ Params = dict
 Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
+def fused_parts(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Widths of the side-by-side parts of each fused tensor (along its last axis): q|k|v, gate|up."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    parts = {"wqkv": (q, kv, kv), "w_gate_up": (cfg.intermediate_size, cfg.intermediate_size)}
+    if cfg.qkv_bias:
+        parts["bqkv"] = parts["wqkv"]
+    return parts
+
+
 def param_shapes(cfg: ModelConfig) -> dict:
     """The shape of every tensor, keyed like the params pytree: what init and the loader both follow."""
     h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    q = cfg.num_heads * d
+    fused = {name: sum(widths) for name, widths in fused_parts(cfg).items()}
     layer = {
         "attn_norm": (h,),
-        "wq": (h, q),
-        "wk": (h, kv),
-        "wv": (h, kv),
+        "wqkv": (h, fused["wqkv"]),
         "wo": (q, h),
         "mlp_norm": (h,),
-        "w_gate": (h, cfg.intermediate_size),
-        "w_up": (h, cfg.intermediate_size),
+        "w_gate_up": (h, fused["w_gate_up"]),
         "w_down": (cfg.intermediate_size, h),
     }
     if cfg.qkv_bias:
-        layer |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
+        layer["bqkv"] = (fused["bqkv"],)
     if cfg.qk_norm:
         layer |= {"q_norm": (d,), "k_norm": (d,)}
     shapes = {
@@ -122,13 +131,15 @@ def forward(
     t = token_ids.shape[0]
     d, eps = cfg.head_dim, cfg.rms_norm_eps
     inv_freq = rope_inv_freq(cfg)
+    q_width, kv_width, _ = fused_parts(cfg)["wqkv"]
     x = params["embed"][token_ids]
     new_kv = []
     for i, p in enumerate(params["layers"]):
         h = rms_norm(x, p["attn_norm"], eps)
-        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        qkv = h @ p["wqkv"]
         if cfg.qkv_bias:
-            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+            qkv = qkv + p["bqkv"]
+        q, k, v = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
         q = q.reshape(t, cfg.num_heads, d)
         k = k.reshape(t, cfg.num_kv_heads, d)
         v = v.reshape(t, cfg.num_kv_heads, d)
@@ -139,7 +150,8 @@ def forward(
         new_kv.append(layer_kv)
         x = x + o.reshape(t, cfg.num_heads * d) @ p["wo"]
         h = rms_norm(x, p["mlp_norm"], eps)
-        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+        gate, up = jnp.split(h @ p["w_gate_up"], 2, axis=-1)
+        x = x + (jax.nn.silu(gate) * up) @ p["w_down"]
     return rms_norm(x, params["final_norm"], eps), tuple(new_kv)
 
 
