@@ -7,12 +7,10 @@ live in the pages `block_tables[s]`. Prefill chunks and decodes mix freely in on
 
 from __future__ import annotations
 
-import functools
-
 import jax
 
 from jaxrunner.config import ModelConfig
-from jaxrunner.pytree import pytree_dataclass
+from jaxrunner.pytree import pytree_dataclass, static_field
 from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_decode,
@@ -30,33 +28,35 @@ class AttentionMetadata:
     num_seqs: jax.Array  # i32 []
 
 
-def paged_attend(model: ModelConfig, md: AttentionMetadata, *, uniform_decode: bool = False):
-    """The model's per-layer attention for one batch: write the new K/V into the pages, then attend.
+@pytree_dataclass
+class PagedAttention:
+    """The model's attention for one batch, called by every layer: write the layer's new K/V into its
+    pages, then attend over them. A pytree (the batch's metadata are its leaves, the model's options
+    its structure), so the jitted decoder layer takes it as an argument.
 
     On a GPU both halves are Pallas kernels (the KV write aliased in place; the decode-specialised
     attention when every sequence has one query token). Elsewhere (CPU tests) they are the
     pure-jnp scatter and reference, which compute the same function.
     """
-    options = dict(sm_scale=model.head_dim**-0.5, sliding_window=model.sliding_window, uniform_decode=uniform_decode)
 
-    def attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple) -> tuple[jax.Array, tuple]:
-        return _attend_layer(q, k, v, kv, md, **options)
+    md: AttentionMetadata
+    sm_scale: float = static_field()
+    sliding_window: int | None = static_field()
+    uniform_decode: bool = static_field()
 
-    return attend
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple) -> tuple[jax.Array, tuple]:
+        """(out [T, Hq, D], the layer's (k, v) pages) for this step's q, k, v and the layer's pages."""
+        md, on_gpu = self.md, jax.default_backend() == "gpu"
+        if on_gpu:
+            attention = ragged_paged_attention_decode if self.uniform_decode else ragged_paged_attention
+        else:
+            attention = reference_ragged_paged_attention
+        k_cache, v_cache = write_kv(*kv, k, v, md.slot_mapping, impl="pallas" if on_gpu else "xla")
+        out = attention(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs,
+                        sm_scale=self.sm_scale, sliding_window=self.sliding_window)
+        return out, (k_cache, v_cache)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "uniform_decode"))
-def _attend_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, md: AttentionMetadata, *,
-                  sm_scale: float, sliding_window: int | None, uniform_decode: bool) -> tuple[jax.Array, tuple]:
-    """One layer's KV write and attention. A jitted function, so a step's program traces and lowers
-    it (the Pallas kernels into Triton: the bulk of start-up) once for all its layers, not once per
-    layer; XLA inlines the calls, so the compiled step is the same."""
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu:
-        attention = ragged_paged_attention_decode if uniform_decode else ragged_paged_attention
-    else:
-        attention = reference_ragged_paged_attention
-    k_cache, v_cache = write_kv(*kv, k, v, md.slot_mapping, impl="pallas" if on_gpu else "xla")
-    out = attention(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs,
-                    sm_scale=sm_scale, sliding_window=sliding_window)
-    return out, (k_cache, v_cache)
+def paged_attend(model: ModelConfig, md: AttentionMetadata, *, uniform_decode: bool = False) -> PagedAttention:
+    """The model's paged attention over the batch `md` describes."""
+    return PagedAttention(md, model.head_dim**-0.5, model.sliding_window, uniform_decode)

@@ -54,13 +54,13 @@ def test_engine_warms_up_multi_step_decode_and_then_compiles_nothing():
     assert runner.programs.compiled_on_use == compiled
 
 
-def test_a_step_lowers_its_attention_once_for_all_layers():
-    # On a GPU, lowering the Pallas kernels into Triton once per layer was most of start-up.
+def test_a_step_lowers_its_layer_once_for_all_layers():
+    # Lowering each layer (on a GPU, its Pallas kernels into Triton) was most of start-up.
     model = dataclasses.replace(shape("tiny"), num_layers=4)
     config = RunnerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_blocks=64)
     runner = Runner(model, init_params(model, jax.random.key(0)), config)
     tokens = build_inputs(RequestTable.empty(config.max_num_seqs), [], {}, config, runner.sampler_config, 16, 1)[0]
     step = jax.jit(forward_step, static_argnames=("model", "uniform_decode"))
     text = step.lower(runner.params, runner.init_state(), tokens, model=model, uniform_decode=False).as_text()
-    assert len(re.findall(r"func\.func private @_attend_layer\b", text)) == 1
-    assert len(re.findall(r"call @_attend_layer\b", text)) == 4
+    assert len(re.findall(r"func\.func private @decoder_layer\b", text)) == 1
+    assert len(re.findall(r"call @decoder_layer\b", text)) == 4

@@ -22,7 +22,6 @@ import numpy as np
 from jaxrunner.config import ModelConfig
 
 Params = dict
-Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def fused_parts(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -120,39 +119,48 @@ def forward(
     token_ids: jax.Array,
     positions: jax.Array,
     kv: tuple,
-    attend: Callable[[int, jax.Array, jax.Array, jax.Array, tuple], tuple[jax.Array, tuple]],
+    attend: Callable[[jax.Array, jax.Array, jax.Array, tuple], tuple[jax.Array, tuple]],
 ) -> tuple[jax.Array, tuple]:
     """Run a packed batch of T tokens; returns the final hidden states [T, H] and the updated KV.
 
-    `attend(layer, q, k, v, kv_layer) -> (out [T, Hq, D], kv_layer)` writes this step's keys and
-    values into the paged cache and attends over it; the runner supplies it with the batch's
-    metadata bound, so the model knows nothing about pages.
+    `attend(q, k, v, kv_layer) -> (out [T, Hq, D], kv_layer)` writes this step's keys and values into
+    a layer's paged cache and attends over it. It is a callable pytree (the runner's
+    `attention.PagedAttention`, the batch's page metadata inside), so the model knows nothing about
+    pages and the jitted layer takes it as an argument.
     """
-    t = token_ids.shape[0]
-    d, eps = cfg.head_dim, cfg.rms_norm_eps
-    inv_freq = rope_inv_freq(cfg)
-    q_width, kv_width, _ = fused_parts(cfg)["wqkv"]
     x = params["embed"][token_ids]
     new_kv = []
-    for i, p in enumerate(params["layers"]):
-        h = rms_norm(x, p["attn_norm"], eps)
-        qkv = h @ p["wqkv"]
-        if cfg.qkv_bias:
-            qkv = qkv + p["bqkv"]
-        q, k, v = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
-        q = q.reshape(t, cfg.num_heads, d)
-        k = k.reshape(t, cfg.num_kv_heads, d)
-        v = v.reshape(t, cfg.num_kv_heads, d)
-        if cfg.qk_norm:
-            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        o, layer_kv = attend(i, q, k, v, kv[i])
-        new_kv.append(layer_kv)
-        x = x + o.reshape(t, cfg.num_heads * d) @ p["wo"]
-        h = rms_norm(x, p["mlp_norm"], eps)
-        gate, up = jnp.split(h @ p["w_gate_up"], 2, axis=-1)
-        x = x + (jax.nn.silu(gate) * up) @ p["w_down"]
-    return rms_norm(x, params["final_norm"], eps), tuple(new_kv)
+    for p, kv_layer in zip(params["layers"], kv, strict=True):
+        x, kv_layer = decoder_layer(p, x, positions, kv_layer, attend, cfg=cfg)
+        new_kv.append(kv_layer)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), tuple(new_kv)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def decoder_layer(p: dict, x: jax.Array, positions: jax.Array, kv: tuple, attend, *, cfg: ModelConfig) -> tuple[jax.Array, tuple]:
+    """One layer. Jitted, so a step's program traces and lowers it once and calls it from every layer:
+    lowering runs in Python and, written out per layer (the Pallas kernels into Triton IR each time),
+    was most of start-up. XLA inlines the calls: the compiled step is the same."""
+    t = x.shape[0]
+    d, eps = cfg.head_dim, cfg.rms_norm_eps
+    q_width, kv_width, _ = fused_parts(cfg)["wqkv"]
+    inv_freq = rope_inv_freq(cfg)
+    h = rms_norm(x, p["attn_norm"], eps)
+    qkv = h @ p["wqkv"]
+    if cfg.qkv_bias:
+        qkv = qkv + p["bqkv"]
+    q, k, v = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
+    q = q.reshape(t, cfg.num_heads, d)
+    k = k.reshape(t, cfg.num_kv_heads, d)
+    v = v.reshape(t, cfg.num_kv_heads, d)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    o, kv = attend(q, k, v, kv)
+    x = x + o.reshape(t, cfg.num_heads * d) @ p["wo"]
+    h = rms_norm(x, p["mlp_norm"], eps)
+    gate, up = jnp.split(h @ p["w_gate_up"], 2, axis=-1)
+    return x + (jax.nn.silu(gate) * up) @ p["w_down"], kv
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
