@@ -12,6 +12,7 @@ Writes $OUT/matmul_<shape>.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -56,7 +57,7 @@ def main() -> None:
         raise SystemExit("benchmarks/matmul.py needs a GPU: its times come from a device trace")
 
     results = {"device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""), "cases": {}}
-    key = iter(range(1 << 30))
+    key = itertools.count()
     for case, shapes in layouts(args.shape).items():
         k = shapes[0][0]
         layer_bytes = sum(2 * a * b for a, b in shapes)

@@ -58,17 +58,17 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, dtype: str = "float32
         handles.update({name: f for name in f.keys()})
 
     shapes, fused = param_shapes(cfg), fused_parts(cfg)
-    wanted = {}  # key -> [(HF name, transposed, expected shape)] whose concatenation is the tensor
-    for name, shape in shapes.items():
-        if name != "layers":
-            hf_names, transposed = _TOP_NAMES[name]
-            wanted[name] = [(hf_names[0], transposed, shape)]
+
+    def parts(table: dict, name: str, shape: tuple, prefix: str = "") -> list[tuple[str, bool, tuple]]:
+        """(HF name, transposed, expected shape) of each tensor whose concatenation is `name`."""
+        hf_names, transposed = table[name]
+        widths = fused.get(name, (shape[-1],))
+        return [(prefix + hf, transposed, shape[:-1] + (w,)) for hf, w in zip(hf_names, widths, strict=True)]
+
+    wanted = {name: parts(_TOP_NAMES, name, shape) for name, shape in shapes.items() if name != "layers"}
     for i, layer in enumerate(shapes["layers"]):
         for name, shape in layer.items():
-            hf_names, transposed = _LAYER_NAMES[name]
-            widths = fused.get(name, (shape[-1],))
-            wanted[(i, name)] = [(f"model.layers.{i}.{hf}", transposed, shape[:-1] + (width,))
-                                 for hf, width in zip(hf_names, widths, strict=True)]
+            wanted[(i, name)] = parts(_LAYER_NAMES, name, shape, f"model.layers.{i}.")
 
     missing = [hf for parts in wanted.values() for hf, _, _ in parts if hf not in handles]
     if missing:

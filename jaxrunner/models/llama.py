@@ -113,13 +113,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
+Attend = Callable[[jax.Array, jax.Array, jax.Array, tuple], tuple[jax.Array, tuple]]
+
+
 def forward(
     params: Params,
     cfg: ModelConfig,
     token_ids: jax.Array,
     positions: jax.Array,
     kv: tuple,
-    attend: Callable[[jax.Array, jax.Array, jax.Array, tuple], tuple[jax.Array, tuple]],
+    attend: Attend,
 ) -> tuple[jax.Array, tuple]:
     """Run a packed batch of T tokens; returns the final hidden states [T, H] and the updated KV.
 
@@ -137,7 +140,8 @@ def forward(
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def decoder_layer(p: dict, x: jax.Array, positions: jax.Array, kv: tuple, attend, *, cfg: ModelConfig) -> tuple[jax.Array, tuple]:
+def decoder_layer(p: dict, x: jax.Array, positions: jax.Array, kv: tuple, attend: Attend, *,
+                  cfg: ModelConfig) -> tuple[jax.Array, tuple]:
     """One layer. Jitted, so a step's program traces and lowers it once and calls it from every layer:
     lowering runs in Python and, written out per layer (the Pallas kernels into Triton IR each time),
     was most of start-up. XLA inlines the calls: the compiled step is the same."""
