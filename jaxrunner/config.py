@@ -135,7 +135,8 @@ class RunnerConfig:
     `max_num_seqs` request slots, each up to `max_model_len` tokens; at most `max_num_batched_tokens`
     tokens per step; a paged KV cache of `num_blocks` blocks of `block_size` tokens. Requests may
     ask for up to `max_logprobs` logprobs (-1: the whole vocabulary), reported per `logprobs_mode`.
-    `compilation_cache_dir` turns on JAX's persistent compilation cache (process-wide) there.
+    `compilation_cache_dir` turns on JAX's persistent compilation cache (process-wide) there, and
+    the runner's program cache in its `programs` folder (`program_cache`: found without lowering).
     """
 
     max_num_seqs: int = 8

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -13,6 +17,8 @@ from jaxrunner.bench.shapes import shape
 from jaxrunner.input_batch import RequestTable, build_inputs
 from jaxrunner.loader import load_model
 from jaxrunner.models.llama import init_params
+from jaxrunner.program_cache import ProgramCache
+from jaxrunner.programs import Programs
 from jaxrunner.step import forward_step
 
 MODEL = Path(__file__).parent / "data" / "models" / "tiny-qwen2"
@@ -64,3 +70,42 @@ def test_a_step_lowers_its_layer_once_for_all_layers():
     text = step.lower(runner.params, runner.init_state(), tokens, model=model, uniform_decode=False).as_text()
     assert len(re.findall(r"func\.func private @decoder_layer\b", text)) == 1
     assert len(re.findall(r"call @decoder_layer\b", text)) == 4
+
+
+def _runner_and_programs() -> tuple[Runner, list]:
+    cfg, params = load_model(MODEL, "float32")
+    runner = Runner(cfg, params, RunnerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48, block_size=8, num_blocks=16))
+    return runner, runner.warmup_programs(runner.init_state())
+
+
+def test_program_cache_loads_every_program_without_lowering_and_runs_the_same(tmp_path):
+    runner, programs = _runner_and_programs()
+    stored = Programs(ProgramCache(tmp_path))
+    stored.compile_all(programs)
+    assert len(list(tmp_path.glob("*.jaxexe"))) == len(programs) and stored.loaded == 0
+
+    prompts = [list(range(3, 3 + n)) for n in (5, 19)]
+    params = [SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1), SamplingParams(temperature=0.8, top_k=5, seed=1)]
+    runs = []
+    for fresh in (Programs(ProgramCache(tmp_path)), Programs()):
+        runner.programs = fresh
+        report = runner.warmup(runner.init_state())
+        assert report["compiled"] == len(programs)
+        runs.append((report["loaded_from_cache"], report["lowering_seconds"] > 0, drive(runner, prompts, 6, params=params, chunk=7)))
+        assert fresh.compiled_on_use == 0
+    assert runs[0][:2] == (len(programs), False) and runs[1][:2] == (0, True)
+    assert runs[0][2] == runs[1][2]
+
+
+def test_program_cache_keys_are_the_same_in_another_process(tmp_path):
+    # A key must not depend on object ids or hash seeds, or a new process never finds its programs.
+    script = (
+        "import json, sys; sys.path[:0] = %r; from test_warmup import _runner_and_programs; "
+        "from jaxrunner.program_cache import ProgramCache; cache = ProgramCache('unused'); runner, programs = _runner_and_programs(); "
+        "print(json.dumps([cache.key(p.fn, p.key, p.args, p.statics) for p in programs]))"
+    ) % [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "7"})
+    cache = ProgramCache(tmp_path)
+    _, programs = _runner_and_programs()
+    keys = [cache.key(p.fn, p.key, p.args, p.statics) for p in programs]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == keys and len(set(keys)) == len(keys)

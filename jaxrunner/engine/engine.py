@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import jax
 
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.default_model import default_tokenizer
@@ -90,16 +93,22 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         dtype = resolve_dtype(args)
-        self.model_config, params = load_weights(args, dtype)
         self.tokenizer = load_tokenizer(args)
+        start = time.perf_counter()
+        self.model_config, params = jax.block_until_ready(load_weights(args, dtype))
+        loaded = time.perf_counter()
         self.config = runner_config(args, self.model_config, params, dtype)
+        sized = time.perf_counter()
         self.runner = Runner(self.model_config, params, self.config)
         self.state = self.runner.init_state()
-        self.startup: dict = {}  # the warm-up's report
+        self.startup: dict = {}  # the start-up report: seconds per phase, programs, KV cache size
         if warm_up(args):
-            self.startup = report = self.runner.warmup(self.state, args.num_scheduler_steps)
-            logger.info("compiled %d programs in %.1f s; KV cache: %d blocks, %d tokens, %.2f GiB", report["compiled"],
-                        report["compile_seconds"], report["kv_cache_blocks"], report["kv_cache_tokens"], report["kv_cache_gib"])
+            report = self.runner.warmup(self.state, args.num_scheduler_steps)
+            self.startup = report = {"load_seconds": round(loaded - start, 2), "kv_sizing_seconds": round(sized - loaded, 2), **report}
+            logger.info("loaded in %.1f s, sized the KV cache in %.1f s, compiled %d programs in %.1f s (%.1f s lowering); "
+                        "KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"], report["kv_sizing_seconds"],
+                        report["compiled"], report["compile_seconds"], report["lowering_seconds"], report["kv_cache_blocks"],
+                        report["kv_cache_tokens"], report["kv_cache_gib"])
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config(args, self.config), self.block_manager)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
