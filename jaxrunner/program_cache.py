@@ -68,15 +68,19 @@ class ProgramCache:
         except FileNotFoundError:
             return None
         try:
-            return deserialize_and_load(*pickle.loads(data))
+            (payload, in_tree, out_tree), device_ids = pickle.loads(data)
+            devices = {d.id: d for d in jax.devices()}
+            return deserialize_and_load(payload, in_tree, out_tree, execution_devices=[devices[i] for i in device_ids])
         except Exception as e:  # a truncated or foreign file: compiling again is always safe
             logger.warning("compiling again: cannot load the cached program %s (%s: %s)", path, type(e).__name__, e)
             return None
 
     def store(self, key: str, compiled: jax.stages.Compiled) -> None:
-        """Write the executable; one that cannot be serialized (closed-over constants) stays uncached."""
+        """Write the executable and the ids of the devices it runs on (not every device of the host);
+        one that cannot be serialized (closed-over constants) stays uncached."""
+        device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
         try:
-            data = pickle.dumps(serialize(compiled))
+            data = pickle.dumps((serialize(compiled), device_ids))
         except (ValueError, NotImplementedError) as e:
             logger.info("program %s not cached: %s", key, e)
             return

@@ -109,3 +109,14 @@ def test_program_cache_keys_are_the_same_in_another_process(tmp_path):
     _, programs = _runner_and_programs()
     keys = [cache.key(p.fn, p.key, p.args, p.statics) for p in programs]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == keys and len(set(keys)) == len(keys)
+
+
+def test_a_cached_program_that_does_not_load_is_compiled_again_and_rewritten(tmp_path, caplog):
+    program = _runner_and_programs()[1][-1]
+    Programs(ProgramCache(tmp_path)).compile_all([program])
+    [path] = tmp_path.glob("*.jaxexe")
+    path.write_bytes(path.read_bytes()[:100])
+    runs = [Programs(ProgramCache(tmp_path)) for _ in range(2)]
+    for programs in runs:
+        programs.compile_all([program])
+    assert [p.loaded for p in runs] == [0, 1] and "cannot load the cached program" in caplog.text
