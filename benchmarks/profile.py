@@ -7,8 +7,8 @@ step: the wall time (untraced), the floor, and from a traced run of as many step
 time (union of its kernels), its span (busy plus the gaps: host work, launches, copies; tracing
 widens them), and the kernels that take the most time.
 
-    PYTHONPATH=$PWD python benchmarks/profile.py --shape llama3-8b --batch 1 --context 128
-Writes $OUT/profile_b{batch}_c{context}_k{decode_steps}.json when OUT is set.
+    PYTHONPATH=$PWD python benchmarks/profile.py --shape llama3-8b --batch 1 --context 128 [--inline-layers]
+Writes $OUT/profile_b{batch}_c{context}_k{decode_steps}[_inline].json when OUT is set.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jax.profiler import ProfileData
 
 from jaxrunner import CachedRequestData, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
 from jaxrunner.bench.shapes import COPY_BANDWIDTH, SHAPES, shape, weight_bytes_per_step
+from jaxrunner.models import llama
 from jaxrunner.models.llama import init_params
 from jaxrunner.state import kv_cache_bytes
 
@@ -138,7 +139,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--decode-steps", type=int, default=1, help="decode steps per device call")
+    parser.add_argument("--inline-layers", action="store_true",
+                        help="trace every layer in place instead of calling the jitted llama.decoder_layer")
     args = parser.parse_args()
+    if args.inline_layers:  # the step as it was lowered before the layer became a jitted function
+        llama.decoder_layer = llama.decoder_layer.__wrapped__
 
     runner, state, scheds = decode_batch(args.shape, args.batch, args.context, 2 * args.steps + 3, args.decode_steps)
     state, _ = pipelined(runner, state, scheds[:3])  # compile and warm
@@ -152,7 +157,7 @@ def main() -> None:
     result |= summarise(events, args.steps * args.decode_steps)
     print(json.dumps(result, indent=1))
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"profile_b{args.batch}_c{args.context}_k{args.decode_steps}.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"profile_b{args.batch}_c{args.context}_k{args.decode_steps}{'_inline' * args.inline_layers}.json"), "w") as f:
             json.dump(result, f, indent=1)
 
 

@@ -3,7 +3,7 @@
 # fits one device call (10 minutes).
 #   bash benchmarks/serving.sh latency    # W1 with the HF peer
 #   bash benchmarks/serving.sh startup    # 8B start-up with the default configuration, cold and cached
-#   bash benchmarks/serving.sh decode     # projection layouts; batch 64 x 4k and W1 profiles; tokens/s vs batch (PNG)
+#   bash benchmarks/serving.sh decode     # projection layouts; batch 64 x 4k and W1 profiles (both layer forms); tokens/s vs batch (PNG)
 #   bash benchmarks/serving.sh throughput # W2 with the HF peer (the peer alone takes ~3.5 minutes)
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -18,7 +18,9 @@ case "$1" in
   decode)
     timeout 60 python3 benchmarks/matmul.py --shape llama3-8b
     python3 benchmarks/profile.py --batch 64 --context 4096 --steps 8 --decode-steps 4 | head -12
-    python3 benchmarks/profile.py --batch 1 --context 128 --steps 16 --decode-steps 8 | head -12
+    for form in "" --inline-layers; do  # W1's step with the jitted decoder layer, then each layer traced in place
+      python3 benchmarks/profile.py --batch 1 --context 128 --steps 16 --decode-steps 8 $form | head -12
+    done
     timeout 300 python3 benchmarks/batch_sweep.py --shape llama3-8b --context 1024 ;;
   throughput)
     timeout 590 python3 -m jaxrunner.cli bench throughput --json "$OUT/w2.json" 2>&1 | tr '\r' '\n' | tail -8 ;;
