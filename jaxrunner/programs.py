@@ -4,7 +4,8 @@
 itself, keyed by what makes them differ. `compile_all` lowers the programs one after another
 (tracing is Python) and compiles them on a thread pool, where XLA works without the GIL, each
 compile starting as soon as its program is lowered; with a `ProgramCache` it first looks for the
-executable on disk, which needs no lowering. A program nobody compiled ahead compiles on first use and is counted in `compiled_on_use`, so a test can assert that serving compiled nothing.
+executable on disk, which needs no lowering. A program nobody compiled ahead compiles on first use
+and is counted in `compiled_on_use`, so a test can assert that serving compiled nothing.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ PROMPT_LOGPROBS_CHUNK = 256
 def _shared_programs(model: ModelConfig, config: RunnerConfig, dtype: str) -> Programs:
     """Runners of one model shape, configuration and dtype run the same executables, so they share them."""
     cache_dir = config.compilation_cache_dir
-    return Programs(ProgramCache(os.path.join(os.path.expanduser(cache_dir), "programs")) if cache_dir else None)
+    return Programs(ProgramCache(os.path.join(cache_dir, "programs")) if cache_dir else None)
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:

@@ -64,7 +64,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: str = "float32", std: f
     """Random weights in the model's shapes (norm weights are ones), for tests and benchmarks.
 
     Drawn on the device by two jitted programs, the top level's and a layer's (called once a layer):
-    one program for the whole model took 45 s to compile for the 8B shape, a layer's takes 1.4 s."""
+    one program for the whole model was compiled anew on every start, 38-52 s of the 8B shape's."""
     shapes = param_shapes(cfg)
     layers = shapes.pop("layers")
     trees, drawn = [], 0
