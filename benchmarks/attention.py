@@ -1,6 +1,6 @@
 """Attention benchmark for one H200: ragged paged attention against its peers, in one run.
 
-    PYTHONPATH=$PWD python benchmarks/attention.py [--no-sweep] [--quick]
+    PYTHONPATH=$PWD python benchmarks/attention.py [--no-sweep] [--quick] [--w1-sweep]
 
 Sections (all bf16, Llama-3-8B heads: 32 query heads, 8 KV heads, D=128, page size 16):
 - copy: device copy bandwidth, the yardstick for everything memory-bound;
@@ -12,7 +12,9 @@ Sections (all bf16, Llama-3-8B heads: 32 query heads, 8 KV heads, D=128, page si
   (`ragged_paged_attention`) against cuDNN and XLA `jax.nn.dot_product_attention` on dense inputs;
 - kv write: `write_kv` (Pallas, aliased) against the XLA scatter, caches updated in a loop carry;
 - sweep (unless --no-sweep): a few kernel tilings for decode 64 x 4k and prefill 8k, so one run
-  shows which tiling to make the default.
+  shows which tiling to make the default;
+- --w1-sweep alone: decode tilings for one sequence at 129 and 385 keys (W1's short contexts, the
+  query padded to 16 tokens as the runner pads it), and the default at 64 x 4k.
 
 Timing runs the op `iters` times inside one jitted `fori_loop` (no per-call dispatch in the
 figure); an optimisation barrier on the inputs keeps XLA from hoisting the op out of the loop.
@@ -127,9 +129,11 @@ def _paged_cache(key, num_pages):
     return make(kk), make(kv)
 
 
-def decode_case(batch: int, context: int, copy_gbps: float, configs: dict[str, KernelConfig] | None = None):
-    case = f"b{batch} x ctx{context}"
-    pages_per_seq = context // PAGE
+def decode_case(batch: int, context: int, copy_gbps: float, configs: dict[str, KernelConfig] | None = None,
+                tokens: int | None = None):
+    """`tokens` > batch pads q as the runner does (the smallest token bucket is 16 tokens)."""
+    case = f"b{batch} x ctx{context}" + (f" T{tokens}" if tokens else "")
+    pages_per_seq = -(-context // PAGE)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
     est = kv_bytes / (copy_gbps * 1e9)
     copies = max(1, -(-ROTATE_BYTES // kv_bytes))
@@ -137,7 +141,7 @@ def decode_case(batch: int, context: int, copy_gbps: float, configs: dict[str, K
     num_pages = copies * batch * pages_per_seq
     tables = jnp.asarray(rng.permutation(num_pages).reshape(copies, batch, pages_per_seq), jnp.int32)
     k_cache, v_cache = _paged_cache(jax.random.key(batch + context), num_pages)
-    q = jax.random.normal(jax.random.key(1), (batch, NUM_Q_HEADS, HEAD_DIM), DTYPE)
+    q = jax.random.normal(jax.random.key(1), (tokens or batch, NUM_Q_HEADS, HEAD_DIM), DTYPE)
     lens = jnp.full((batch,), context, jnp.int32)
     qsl = jnp.arange(batch + 1, dtype=jnp.int32)
     rate = lambda t: dict(time_us=t * 1e6, gbps=kv_bytes / t / 1e9, copy_frac=kv_bytes / t / 1e9 / copy_gbps)
@@ -275,14 +279,24 @@ def kv_write_case(tokens: int, copy_gbps: float):
 
 # -------------------------------------------------------------------------------------- main
 
-def decode_sweep() -> dict[str, KernelConfig]:
-    out = {}
-    for block_k, splits, warps, stages in [(64, 8, 4, 3), (64, 4, 4, 3), (64, 16, 4, 3), (32, 8, 4, 4),
-                                           (128, 8, 4, 2), (128, 8, 8, 3), (64, 8, 8, 3), (64, 8, 4, 2)]:
-        out[f"k{block_k} s{splits} w{warps} st{stages}"] = KernelConfig(
-            block_q=4, block_k=block_k, num_splits=splits, min_split_blocks=max(1, 512 // block_k),
+def decode_tilings(variants: list[tuple[int, int, int, int]], min_split_keys: int) -> dict[str, KernelConfig]:
+    """Decode tilings of 16 rows (4 tokens x the GQA group) per (keys per block, splits, warps, stages)."""
+    return {
+        f"k{block_k} s{splits} w{warps} st{stages}": KernelConfig(
+            block_q=4, block_k=block_k, num_splits=splits, min_split_blocks=max(1, min_split_keys // block_k),
             num_warps=warps, num_stages=stages)
-    return out
+        for block_k, splits, warps, stages in variants
+    }
+
+
+def decode_sweep() -> dict[str, KernelConfig]:
+    return decode_tilings([(64, 8, 4, 3), (64, 4, 4, 3), (64, 16, 4, 3), (32, 8, 4, 4),
+                           (128, 8, 4, 2), (128, 8, 8, 3), (64, 8, 8, 3), (64, 8, 4, 2)], min_split_keys=512)
+
+
+def w1_sweep() -> dict[str, KernelConfig]:
+    return decode_tilings([(64, 1, 4, 3), (64, 1, 4, 2), (128, 1, 4, 2), (32, 1, 4, 3), (64, 2, 4, 3),
+                           (64, 4, 4, 3), (32, 4, 4, 2), (32, 4, 2, 2), (64, 4, 2, 2)], min_split_keys=128)
 
 
 def prefill_sweep() -> dict[str, KernelConfig]:
@@ -322,11 +336,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true", help="skip the tiling sweep")
     parser.add_argument("--quick", action="store_true", help="only the target cases")
+    parser.add_argument("--w1-sweep", action="store_true", help="only tilings for W1's decode (batch 1, short context)")
     args = parser.parse_args()
     print(f"devices: {jax.devices()}", flush=True)
 
     copy = record("copy", "4 GiB -> 4 GiB", "xla", measure_copy)
     copy_gbps = copy.get("gbps", 4210.0)
+    if args.w1_sweep:
+        for context in (129, 385):
+            decode_case(1, context, copy_gbps, configs={"default": None} | w1_sweep(), tokens=16)
+        decode_case(64, 4096, copy_gbps, configs={"default": None})
+        return
     batches = (64,) if args.quick else (1, 16, 64, 256)
     contexts = (4096,) if args.quick else (512, 4096, 32768)
     for context in contexts:

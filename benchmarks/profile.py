@@ -8,7 +8,8 @@ time (union of its kernels), its span (busy plus the gaps: host work, launches, 
 widens them), and the kernels that take the most time.
 
     PYTHONPATH=$PWD python benchmarks/profile.py --shape llama3-8b --batch 1 --context 128 [--inline-layers]
-Writes $OUT/profile_b{batch}_c{context}_k{decode_steps}[_inline].json when OUT is set.
+Writes $OUT/profile_b{batch}_c{context}_k{decode_steps}[_inline].json when OUT is set, with the
+first traced step's kernels in order (one layer's chain of kernels is read there).
 """
 
 from __future__ import annotations
@@ -115,12 +116,15 @@ def busy_ns(events: list[tuple[str, int, int]]) -> int:
 
 
 def summarise(events: list[tuple[str, int, int]], steps: int, top: int = 25) -> dict:
+    """Per-step busy time, span and kernel count, the `top` kernels by time, and the kernels of the
+    first traced decode step in order (name, start and duration in us) to read one layer's sequence."""
     per_kernel = collections.defaultdict(lambda: [0, 0])
     for name, s, e in events:
         per_kernel[name][0] += e - s
         per_kernel[name][1] += 1
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     span = events[-1][2] - events[0][1] if events else 0
+    t0 = events[0][1] if events else 0
     return {
         "gpu_busy_ms_per_step": busy_ns(events) / steps / 1e6,
         "gpu_span_ms_per_step": span / steps / 1e6,
@@ -128,6 +132,10 @@ def summarise(events: list[tuple[str, int, int]], steps: int, top: int = 25) -> 
         "top_kernels": [
             {"name": name[:120], "ms_per_step": round(t / steps / 1e6, 4), "calls_per_step": n / steps}
             for name, (t, n) in ranked
+        ],
+        "first_step_kernels": [
+            [name[:80], round((s - t0) / 1e3, 2), round((e - s) / 1e3, 2)]
+            for name, s, e in events[: round(len(events) / steps)]
         ],
     }
 
@@ -155,7 +163,7 @@ def main() -> None:
         "floor_ms": floor_ms(runner, args.batch, args.context),
     }
     result |= summarise(events, args.steps * args.decode_steps)
-    print(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "first_step_kernels"}, indent=1))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"profile_b{args.batch}_c{args.context}_k{args.decode_steps}{'_inline' * args.inline_layers}.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -69,7 +69,7 @@ def _write_kv_xla(k_cache, v_cache, k, v, slot_mapping):
     return scatter(k_cache, k), scatter(v_cache, v)
 
 
-def _write_kv_kernel(slot_ref, k_ref, v_ref, k_cache_in, v_cache_in, k_cache_ref, v_cache_ref, *,
+def _write_kv_kernel(slot_ref, kv_ref, k_cache_in, v_cache_in, k_cache_ref, v_cache_ref, *,
                      num_kv_heads: int, padded_heads: int):
     del k_cache_in, v_cache_in  # The same buffers as the outputs (aliased); only written.
     t = pl.program_id(0)
@@ -84,8 +84,8 @@ def _write_kv_kernel(slot_ref, k_ref, v_ref, k_cache_in, v_cache_in, k_cache_ref
         mask = heads < num_kv_heads
         block = slot // block_size
         offset = slot % block_size
-        for src, dst in ((k_ref, k_cache_ref), (v_ref, v_cache_ref)):
-            row = plt.load(src.at[t, heads, dims], mask=mask, other=0)
+        for i, dst in enumerate((k_cache_ref, v_cache_ref)):
+            row = plt.load(kv_ref.at[t, i, heads, dims], mask=mask, other=0)
             plt.store(dst.at[block, offset, heads, dims], row, mask=mask)
 
 
@@ -93,13 +93,15 @@ def _write_kv_pallas(k_cache, v_cache, k, v, slot_mapping, *, interpret):
     num_tokens, num_kv_heads, _ = k.shape
     kernel = functools.partial(
         _write_kv_kernel, num_kv_heads=num_kv_heads, padded_heads=next_pow2(num_kv_heads))
+    # K and V as one [T, 2, Hkv, D] operand: XLA computes it in one fusion with their producers
+    # (the split of the q|k|v projection, RoPE on K) instead of one kernel for each.
     return pl.pallas_call(
         kernel,
         grid=(num_tokens,),
         out_shape=(jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
-        input_output_aliases={3: 0, 4: 1},
+        input_output_aliases={2: 0, 3: 1},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         name="write_kv",
-    )(slot_mapping, k, v, k_cache, v_cache)
+    )(slot_mapping, jnp.stack([k, v], axis=1), k_cache, v_cache)

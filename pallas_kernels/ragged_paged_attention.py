@@ -38,7 +38,8 @@ from pallas_kernels.common import cdiv, combine_splits, next_pow2
 from pallas_kernels.mosaic_decode import default_mosaic_config, mosaic_decode_attention
 
 NUM_SMS = 132  # H200
-MIN_SPLIT_KEYS = 512  # a flash-decoding split never covers fewer keys than this
+MIN_SPLIT_KEYS = 512  # a flash-decoding split covers at least this many keys...
+SHORT_SPLIT_KEYS = 128  # ...or, for a batch with fewer (sequence, KV head) pairs than SMs, this many
 
 
 def ragged_paged_attention(
@@ -115,15 +116,21 @@ def prefill_config(dtype, head_dim: int, padded_group: int) -> KernelConfig:
 
 def decode_config(dtype, head_dim: int, padded_group: int, *, queries_per_seq: int, num_tokens: int,
                   num_kv_heads: int, max_context: int) -> KernelConfig:
-    """Tiling for decode: 16+ rows (the smallest dot), 64 keys, splits to reach ~16 programs/SM."""
+    """Tiling for decode: 16+ rows (the smallest dot), 64 keys, splits to reach ~16 programs/SM.
+
+    Splits cover >= 512 keys, except in a batch too small to give every SM a program: that is
+    latency-bound, and at a few hundred keys 2-4 splits of >= 128 keys plus the combine beat one
+    long loop (`benchmarks/attention.py --w1-sweep`). Past 4, the static split count still keeps to
+    one per 512 keys of `max_context`, which bounds the combine."""
     big = head_dim > 128 or jnp.dtype(dtype) == jnp.float32
     block_q = max(next_pow2(queries_per_seq), 16 // padded_group, 1)
     block_k = 32 if big else 64
     num_seqs_max = cdiv(num_tokens, queries_per_seq)
     wanted = next_pow2(cdiv(16 * NUM_SMS, num_seqs_max * num_kv_heads))
-    num_splits = max(1, min(wanted, max_context // MIN_SPLIT_KEYS))
+    split_keys = SHORT_SPLIT_KEYS if num_seqs_max * num_kv_heads < NUM_SMS else MIN_SPLIT_KEYS
+    num_splits = max(1, min(wanted, max_context // split_keys, max(4, max_context // MIN_SPLIT_KEYS)))
     return KernelConfig(block_q=block_q, block_k=block_k, num_splits=num_splits,
-                        min_split_blocks=max(1, MIN_SPLIT_KEYS // block_k),
+                        min_split_blocks=max(1, split_keys // block_k),
                         num_warps=4, num_stages=2 if big else 3)
 
 

@@ -25,6 +25,7 @@ from pallas_kernels import (
     reference_ragged_paged_attention,
     write_kv,
 )
+from pallas_kernels.ragged_paged_attention import decode_config
 from pallas_kernels.testing import make_batch, naive_attention
 
 ENTRIES = {"ragged": ragged_paged_attention, "decode": ragged_paged_attention_decode}
@@ -127,6 +128,20 @@ def test_split_kv():
     for seed in (41, 42):
         batch = make_batch(seed, **kw)
         _run_and_check(batch, jnp.float32, entries=("decode",), sm_scale=0.125, config=config)
+
+
+def test_decode_tiling_splits_small_batches():
+    """A batch too small to give every SM a program splits a few hundred keys 2-4 ways (it is
+    latency-bound); a large batch keeps splits of >= 512 keys. The small batch's default tiling
+    (splits of >= 2 key blocks, the last one short) matches the reference."""
+    tiling = functools.partial(decode_config, jnp.bfloat16, 128, 4, queries_per_seq=1, num_kv_heads=8)
+    small, large = tiling(num_tokens=16, max_context=384), tiling(num_tokens=64, max_context=4096)
+    assert (small.num_splits, small.min_split_blocks * small.block_k) == (3, 128)
+    assert (large.num_splits, large.min_split_blocks * large.block_k) == (8, 512)
+    kw = _shape_kwargs(jnp.bfloat16, 128, 16, 2, 4)  # 256 keys at most: 2 splits of >= 128
+    for seed, ctx in ((71, 129), (72, 250)):
+        batch = make_batch(seed, q_lens=[1], ctx_lens=[ctx], num_tokens=16, **kw)
+        _run_and_check(batch, jnp.bfloat16, entries=("decode",), sm_scale=0.1)
 
 
 @pytest.mark.parametrize("head_dim,block_size,group,queries_per_seq,window,cap,splits", [
