@@ -43,6 +43,7 @@ SAMPLING_FLAGS = (
 )
 ENGINE_FLAGS = (
     ("tokenizer", str, "tokenizer directory (default: the model's)"),
+    ("skip_tokenizer_init", None, "no tokenizer: each PROMPT is token ids (\"1,2,3\"), token ids are printed"),
     ("dtype", str, "auto, float32, bfloat16 or float16"),
     ("max_model_len", int, None),
     ("block_size", int, None),
@@ -66,17 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", help="local Hugging Face checkpoint directory (default: a built-in tiny random model)")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt)")
     gen.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    engine = gen.add_argument_group("engine")
-    for name, kind, text in ENGINE_FLAGS:
-        engine.add_argument(_flag(name), dest=name, type=kind, help=text)
-    sampling = gen.add_argument_group("sampling")
-    for name, kind, text in SAMPLING_FLAGS:
-        if kind is None:
-            sampling.add_argument(_flag(name), dest=name, action="store_true", default=None, help=text)
-        elif name in ("stop", "stop_token_ids"):
-            sampling.add_argument(_flag(name), dest=name, type=kind, action="append", help=text)
-        else:
-            sampling.add_argument(_flag(name), dest=name, type=kind, help=text)
+    for title, flags in (("engine", ENGINE_FLAGS), ("sampling", SAMPLING_FLAGS)):
+        group = gen.add_argument_group(title)
+        for name, kind, text in flags:
+            if kind is None:
+                group.add_argument(_flag(name), dest=name, action="store_true", default=None, help=text)
+            elif name in ("stop", "stop_token_ids"):
+                group.add_argument(_flag(name), dest=name, type=kind, action="append", help=text)
+            else:
+                group.add_argument(_flag(name), dest=name, type=kind, help=text)
     _add_bench_parser(commands)
     return parser
 
@@ -132,36 +131,48 @@ def generate(args: argparse.Namespace) -> int:
     params = SamplingParams(**_given(args, SAMPLING_FLAGS))
     if args.stream and (len(args.prompts) > 1 or params.n > 1):
         raise ValueError("--stream prints one completion: give one prompt and n = 1")
+    ids_only = bool(args.skip_tokenizer_init)
+    prompts = [_token_ids(p) for p in args.prompts] if ids_only else args.prompts
     if args.model is None:
         print(DEFAULT_MODEL_NOTICE, file=sys.stderr)
-    llm = LLM(
-        model=args.model,
-        enable_prefix_caching=args.enable_prefix_caching,
-        **_given(args, ENGINE_FLAGS),
-    )
-    if args.stream:
-        final, prompt_logprobs, token_ids, logprobs = None, None, [], []
-        for out in llm.generate_stream(args.prompts[0], params):
-            print("".join(c.text for c in out.outputs), end="", flush=True)
-            final, prompt_logprobs = out, prompt_logprobs or out.prompt_logprobs
+    with LLM(model=args.model, enable_prefix_caching=args.enable_prefix_caching, **_given(args, ENGINE_FLAGS)) as llm:
+        if args.stream:
+            return _stream(llm, prompts[0], params, ids_only)
+        status = 0
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            if _report_error(out):
+                status = 1
+                continue
+            _print_logprobs(f"Prompt logprobs of {out.prompt!r}", out.prompt_token_ids, out.prompt_logprobs)
+            prompt = out.prompt_token_ids if ids_only else out.prompt
             for c in out.outputs:
-                token_ids += c.token_ids
-                logprobs += c.logprobs or []
-        print()
-        _print_logprobs(f"Prompt logprobs of {final.prompt!r}", final.prompt_token_ids, prompt_logprobs)
-        _print_logprobs("Logprobs", token_ids, logprobs)
-        return _report_error(final)
-    status = 0
-    for out in llm.generate(args.prompts, params, use_tqdm=False):
-        if _report_error(out):
-            status = 1
-            continue
-        _print_logprobs(f"Prompt logprobs of {out.prompt!r}", out.prompt_token_ids, out.prompt_logprobs)
-        for c in out.outputs:
-            label = "Generated text" if len(out.outputs) == 1 else f"Generated text [{c.index}]"
-            print(f"Prompt: {out.prompt!r}, {label}: {c.text!r} ({c.finish_reason})")
-            _print_logprobs("Logprobs", c.token_ids, c.logprobs)
+                label = "Generated " + ("token ids" if ids_only else "text")
+                label += "" if len(out.outputs) == 1 else f" [{c.index}]"
+                print(f"Prompt: {prompt!r}, {label}: {c.token_ids if ids_only else c.text!r} ({c.finish_reason})")
+                _print_logprobs("Logprobs", c.token_ids, c.logprobs)
     return status
+
+
+def _stream(llm, prompt, params, ids_only: bool) -> int:
+    final, prompt_logprobs, token_ids, logprobs = None, None, [], []
+    for out in llm.generate_stream(prompt, params):
+        for c in out.outputs:
+            print(" ".join(map(str, c.token_ids)) + " " if ids_only else c.text, end="", flush=True)
+            token_ids += c.token_ids
+            logprobs += c.logprobs or []
+        final, prompt_logprobs = out, prompt_logprobs or out.prompt_logprobs
+    print()
+    _print_logprobs(f"Prompt logprobs of {final.prompt!r}", final.prompt_token_ids, prompt_logprobs)
+    _print_logprobs("Logprobs", token_ids, logprobs)
+    return _report_error(final)
+
+
+def _token_ids(prompt: str) -> list[int]:
+    """A prompt given as token ids: "1,2,3" or "1 2 3"."""
+    try:
+        return [int(t) for t in prompt.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"with --skip-tokenizer-init each prompt is token ids such as \"1,2,3\", got {prompt!r}") from None
 
 
 def _print_logprobs(title: str, token_ids: list[int], logprobs: list | None) -> None:

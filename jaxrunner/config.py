@@ -64,11 +64,20 @@ class ModelConfig:
         from transformers import AutoConfig
 
         path = os.fspath(path)
+        config_path = os.path.join(path, "config.json")
         if not os.path.isdir(path):
             raise ValueError(f"model directory {path!r} does not exist (pass a local Hugging Face checkpoint)")
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        if not os.path.isfile(config_path):
             raise ValueError(f"{path!r} has no config.json: is it a Hugging Face checkpoint directory?")
-        return cls.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
+        try:
+            hf = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # transformers and huggingface_hub raise many kinds; all mean "unreadable"
+            reason = " ".join(str(e).split())
+            raise ValueError(f"cannot read {config_path!r}: {reason:.300}") from None
+        try:
+            return cls.from_hf_config(hf)
+        except (AttributeError, KeyError, TypeError) as e:
+            raise ValueError(f"{config_path!r} does not describe a model jaxrunner can run: {e}") from None
 
     @classmethod
     def from_hf_config(cls, hf) -> ModelConfig:
@@ -148,12 +157,13 @@ class RunnerConfig:
     seed: int = 0
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    max_bad_word_len: int = 8
     compilation_cache_dir: str | None = None
     token_buckets: tuple[int, ...] = field(default=())
     request_buckets: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks", "max_bad_word_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunnerConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -7,10 +7,12 @@ input raises a ValueError and leaves the runner exactly as it was.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from jaxrunner.checks import is_int
 from jaxrunner.config import RunnerConfig
 from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.sampling import (
@@ -100,6 +102,7 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
     def bad(msg: str) -> None:
         raise ValueError(f"SchedulerOutput rejected: {msg}")
 
+    _check_types(sched, bad)
     gone = (set(sched.finished_req_ids) | set(sched.preempted_req_ids)) & table.rows.keys()
     live = table.rows.keys() - gone
     new_ids = [n.req_id for n in sched.scheduled_new_reqs]
@@ -171,6 +174,32 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
             bad(f"request {rid!r}: new_block_ids must hold one list (one KV-cache group)")
         all_blocks = list(row.block_ids) + (list(blocks[0]) if blocks else [])
         check_request(rid, all_blocks, computed, row.num_tokens, row.prompt_len, row.sampling_params)
+
+
+def _check_types(sched: SchedulerOutput, bad: Callable[[str], None]) -> None:
+    """Counts, positions and ids must be ints: a float would be truncated, or fail deep in the step."""
+
+    def ints(what: str, values: Iterable) -> None:
+        if wrong := [v for v in values if not is_int(v)]:
+            bad(f"{what} must be integers, got {wrong[:5]}")
+
+    cached = sched.scheduled_cached_reqs
+    ints("num_scheduled_tokens", sched.num_scheduled_tokens.values())
+    ints("total_num_scheduled_tokens and num_steps", (sched.total_num_scheduled_tokens, sched.num_steps))
+    ints("num_computed_tokens", [n.num_computed_tokens for n in sched.scheduled_new_reqs] + list(cached.num_computed_tokens))
+    def block_ids(what: str, groups: object) -> None:
+        if not isinstance(groups, (tuple, list)) or not all(isinstance(g, (tuple, list)) for g in groups):
+            bad(f"{what} must hold one list of block ids per KV-cache group, got {groups!r:.60}")
+        ints(what, [b for group in groups for b in group])
+
+    for new in sched.scheduled_new_reqs:
+        if not isinstance(new.sampling_params, SamplingParams):
+            bad(f"request {new.req_id!r}: sampling_params must be a SamplingParams, got {type(new.sampling_params).__name__}")
+        ints(f"request {new.req_id!r}: token ids", [*new.prompt_token_ids, *new.all_prefill_token_ids])
+        block_ids(f"request {new.req_id!r}: block_ids", new.block_ids)
+    for rid, groups in zip(cached.req_ids, cached.new_block_ids):
+        if groups is not None:
+            block_ids(f"request {rid!r}: new_block_ids", groups)
 
 
 @pytree_dataclass

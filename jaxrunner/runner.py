@@ -13,6 +13,7 @@ With `num_steps` > 1 (all decodes), step 3 runs that many forward + sample round
 from __future__ import annotations
 
 import bisect
+import copy
 import functools
 import os
 import time
@@ -75,6 +76,7 @@ class Runner:
             vocab_size=model_config.vocab_size,
             max_logprobs=config.max_logprobs,
             logprobs_mode=config.logprobs_mode,
+            max_bad_word_len=config.max_bad_word_len,
             eos_token_ids=model_config.eos_token_ids,
         )
         self._table = RequestTable.empty(config.max_num_seqs)
@@ -113,29 +115,35 @@ class Runner:
         exception: a step that completes them waits for them.
         """
         cfg = self.config
-        table, dirty = self._table.apply(sched, cfg, self.sampler_config, self._rng)
+        # Everything that can reject `sched` runs before the runner changes: a draw from a copy of
+        # the random state, host arrays built, then the commit and the device calls.
+        rng = copy.deepcopy(self._rng)
+        table, dirty = self._table.apply(sched, cfg, self.sampler_config, rng)
+        order = batch_order(table, sched)
+        scheduled = sched.num_scheduled_tokens
+        if order:
+            t_bucket = _bucket(sched.total_num_scheduled_tokens, cfg.token_buckets)
+            b_bucket = _bucket(len(order), cfg.request_buckets)
+            token_inputs, sample_inputs, flags, sampled = build_inputs(
+                table, order, scheduled, cfg, self.sampler_config, t_bucket, b_bucket
+            )
+            blocks = block_table_rows(table, dirty, cfg, _bucket(len(dirty), cfg.request_buckets)) if dirty else None
+            scoring = self._prompts_to_score(table, order, scheduled) if sched.num_steps == 1 else []
+        self._rng = rng
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             self._prompt_logprobs.discard(rid)
-        order = batch_order(table, sched)
         if not order:
             self._table = table
             return state, PendingOutput([], {}, {}, {}, None, {})
 
-        scheduled = sched.num_scheduled_tokens
-        t_bucket = _bucket(sched.total_num_scheduled_tokens, cfg.token_buckets)
-        b_bucket = _bucket(len(order), cfg.request_buckets)
-        token_inputs, sample_inputs, flags, sampled = build_inputs(
-            table, order, scheduled, cfg, self.sampler_config, t_bucket, b_bucket
-        )
-        if dirty:
-            slots, rows = block_table_rows(table, dirty, cfg, _bucket(len(dirty), cfg.request_buckets))
-            state = self.programs.run(self._write_blocks_program(state, slots, rows))
+        if blocks is not None:
+            state = self.programs.run(self._write_blocks_program(state, *blocks))
         decode = self._decode_kernel and all(n == 1 for n in scheduled.values())
         if sched.num_steps == 1:
             steps = dict.fromkeys(sampled, 1)
             last_hidden, hidden, state = self.programs.run(self._forward_program(state, token_inputs, decode))
             out, state = self.programs.run(self._sample_program(state, last_hidden, sample_inputs, flags))
-            prompt_logprobs = self._score_prompts(table, order, scheduled, hidden)
+            prompt_logprobs = self._score_prompts(table, scoring, scheduled, hidden)
             self._table = table.advance(scheduled, steps)
         else:
             steps = {rid: table.decode_steps(rid, sched.num_steps, cfg.max_model_len) for rid in order}
@@ -177,29 +185,36 @@ class Runner:
         eos = () if params.ignore_eos else self.sampler_config.eos_token_ids
         return frozenset((*eos, *(params.stop_token_ids or ())))
 
-    def _score_prompts(
-        self, table: RequestTable, order: list[str], scheduled: dict[str, int], hidden: jax.Array
-    ) -> dict[str, LogprobsArrays]:
-        """Prompt logprobs of this step's chunks; a request's whole prompt is returned once, when complete.
+    def _prompts_to_score(
+        self, table: RequestTable, order: list[str], scheduled: dict[str, int]
+    ) -> list[tuple[str, list[int], list[int]]]:
+        """Per request that wants prompt logprobs from this step's chunk: its rows among the step's
+        tokens and the prompt tokens they score.
 
         The logits at position p score prompt token p + 1, so they come from the backbone's hidden
         states of this step's tokens; a resumed request (prompt + outputs as prefill) already had
         them and scores none.
         """
-        wanting = []
-        rows, targets = [], []
-        start = 0
+        wanting, start = [], 0
         for rid in order:
             row, n = table.rows[rid], scheduled[rid]
             resumed = len(row.prefill_token_ids) > row.prompt_len
             if row.sampling_params.prompt_logprobs is not None and row.num_computed < row.prompt_len and not resumed:
                 positions = prompt_logprob_positions(row.prompt_len, len(row.prefill_token_ids), row.num_computed, n)
-                wanting.append((rid, len(rows), len(positions)))
-                rows += [start + p - row.num_computed for p in positions]
-                targets += [row.prefill_token_ids[p + 1] for p in positions]
+                wanting.append((rid, [start + p - row.num_computed for p in positions],
+                                [row.prefill_token_ids[p + 1] for p in positions]))
             start += n
+        return wanting
+
+    def _score_prompts(
+        self, table: RequestTable, wanting: list[tuple[str, list[int], list[int]]], scheduled: dict[str, int],
+        hidden: jax.Array,
+    ) -> dict[str, LogprobsArrays]:
+        """Prompt logprobs of this step's chunks; a request's whole prompt is returned once, when complete."""
         if not wanting:
             return {}
+        rows = [r for _, part, _ in wanting for r in part]
+        targets = [t for _, _, part in wanting for t in part]
         parts = []
         for lo in range(0, max(len(rows), 1), PROMPT_LOGPROBS_CHUNK):
             chunk_rows = np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32)
@@ -209,12 +224,13 @@ class Runner:
             values, ids, ranks = self.programs.run(self._prompt_logprobs_program(hidden, chunk_rows, chunk_targets))
             parts.append(LogprobsArrays(np.asarray(ids), np.asarray(values), np.asarray(ranks)))
         scored = LogprobsArrays.concat(parts)
-        done = {}
-        for rid, lo, count in wanting:
+        done, lo = {}, 0
+        for rid, part, _ in wanting:
             row = table.rows[rid]
             num_top = row.sampling_params.prompt_logprobs
-            part = scored.select(slice(lo, lo + count), self.sampler_config.vocab_size if num_top == -1 else num_top)
-            complete = self._prompt_logprobs.add(rid, part, row.num_computed + scheduled[rid] >= row.prompt_len)
+            chunk = scored.select(slice(lo, lo + len(part)), self.sampler_config.vocab_size if num_top == -1 else num_top)
+            lo += len(part)
+            complete = self._prompt_logprobs.add(rid, chunk, row.num_computed + scheduled[rid] >= row.prompt_len)
             if complete is not None:
                 done[rid] = complete
         return done

@@ -8,10 +8,11 @@ fills `bad_words_token_ids` the way vLLM does (each word with and without a lead
 
 from __future__ import annotations
 
-import math
-import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
+
+from jaxrunner.checks import check_bool, check_int, check_real, token_ids
 
 # Largest number of logprobs a request may ask for, unless the engine is configured otherwise.
 DEFAULT_MAX_LOGPROBS = 20
@@ -49,18 +50,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            _bad(f"n must be at least 1, got {self.n}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            _bad(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            _bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+        where = "SamplingParams"
+        self._set("n", check_int(where, "n", self.n, 1))
+        self._set("max_tokens", check_int(where, "max_tokens", self.max_tokens, 1, optional=True))
+        self._set("min_tokens", check_int(where, "min_tokens", self.min_tokens, 0))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if not self.temperature >= 0.0:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            self._set(name, check_real(where, name, getattr(self, name)))
+        if self.temperature < 0.0:
             _bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             _bad(f"top_p must be in (0, 1], got {self.top_p}")
+        self._set("top_k", check_int(where, "top_k", self.top_k))
         if self.top_k < -1 or self.top_k == 0:
             _bad(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -69,25 +71,52 @@ class SamplingParams:
             _bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             _bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+        if self.repetition_penalty <= 0.0:
             _bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            _bad(f"seed must be in [0, 2**64), got {self.seed}")
+        self._set("seed", check_int(where, "seed", self.seed, 0, optional=True))
+        if self.seed is not None and self.seed + self.n - 1 >= 2**64:
+            what = "seed" if self.n == 1 else f"seed + n - 1 (completion i uses seed + i; n={self.n})"
+            _bad(f"{what} must be below 2**64, got seed={self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
+            value = self._set(name, check_int(where, name, getattr(self, name), optional=True))
             if value is not None and value < -1:
                 _bad(f"{name} must be -1 (whole vocabulary) or >= 0, got {value}")
-        for name, ids in self._token_id_lists():
-            wrong = [t for t in ids if not _is_token_id(t)]
-            if wrong:
-                _bad(f"{name} holds invalid token ids {wrong[:5]}: token ids are non-negative ints")
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            _bad("allowed_token_ids must not be empty (leave it None to allow every token)")
-        bias = [v for v in (self.logit_bias or {}).values() if not _is_finite_number(v)]
-        if bias:
-            _bad(f"logit_bias values must be finite numbers, got {bias[:5]}")
-        if any(not word for word in self.bad_words_token_ids or []):
-            _bad("bad_words_token_ids must not hold an empty word")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            check_bool(where, name, getattr(self, name))
+        self._check_lists()
+
+    def _check_lists(self) -> None:
+        where = "SamplingParams"
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                _bad(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r:.80}")
+            ids = token_ids(where, "logit_bias", self.logit_bias.keys())
+            self._set("logit_bias", dict(zip(ids, (check_real(where, "a logit_bias value", v) for v in self.logit_bias.values()))))
+        if self.allowed_token_ids is not None:
+            if not self._set("allowed_token_ids", token_ids(where, "allowed_token_ids", self.allowed_token_ids)):
+                _bad("allowed_token_ids must not be empty (leave it None to allow every token)")
+        if self.stop_token_ids is not None:
+            self._set("stop_token_ids", token_ids(where, "stop_token_ids", self.stop_token_ids))
+        if self.stop is not None:
+            self._set("stop", self.stop if isinstance(self.stop, str) else _strings("stop", self.stop, "a string or a list of strings"))
+            if "" in self.stop_strings:
+                _bad("stop strings must not be empty")
+        if self.bad_words is not None:
+            words = self._set("bad_words", _strings("bad_words", self.bad_words))
+            if any(not word.strip() for word in words):
+                _bad(f"bad_words must not hold an empty word, got {words!r:.80}")
+        if self.bad_words_token_ids is not None:
+            if isinstance(self.bad_words_token_ids, (str, bytes)) or not isinstance(self.bad_words_token_ids, Iterable):
+                _bad(f"bad_words_token_ids must be a list of token-id lists, got {self.bad_words_token_ids!r:.80}")
+            words = self._set("bad_words_token_ids",
+                              [token_ids(where, "bad_words_token_ids", w) for w in self.bad_words_token_ids])
+            if any(not word for word in words):
+                _bad("bad_words_token_ids must not hold an empty word")
+
+    def _set(self, name: str, value: object) -> object:
+        """Store the checked, normalised value (numpy ints as ints, tuples as lists) in the frozen field."""
+        object.__setattr__(self, name, value)
+        return value
 
     def verify(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         """Raise a ValueError for what only the model and engine settings can rule out.
@@ -146,9 +175,7 @@ def _bad(msg: str) -> None:
     raise ValueError(f"SamplingParams: {msg}")
 
 
-def _is_token_id(t: object) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
-
-
-def _is_finite_number(v: object) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+def _strings(name: str, values: object, what: str = "a list of strings") -> list[str]:
+    if isinstance(values, str) or not isinstance(values, Iterable) or not all(isinstance(s, str) for s in values):
+        _bad(f"{name} must be {what}, got {values!r:.80}")
+    return list(values)

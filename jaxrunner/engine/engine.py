@@ -11,23 +11,41 @@ the top N), and prompt logprobs as a list with None for the first prompt token. 
 prompt's logprobs once, in the step that completes the prompt, and the parent keeps them: a request
 resumed after preemption is not given them again, and children share the prompt, so only the first
 child asks for them (the others can then use its prompt blocks from the prefix cache).
+
+A request ends with finish_reason "abort" when aborted (its blocks freed at once, any token still in
+flight for it dropped), or "error" when its logits held NaN. `drain()` waits for every step in
+flight; `close()` drains and aborts the rest, and an engine never closed is drained when dropped or
+at interpreter exit, since a device step still running then makes the process abort.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+import weakref
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.default_model import default_tokenizer
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
-from jaxrunner.engine.engine_args import EngineArgs, load_weights, resolve_dtype, runner_config, scheduler_config, warm_up
-from jaxrunner.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxrunner.engine.engine_args import (
+    EngineArgs,
+    load_weights,
+    open_model,
+    resolve_dtype,
+    runner_config,
+    scheduler_config,
+    warm_up,
+)
+from jaxrunner.checks import token_ids
+from jaxrunner.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.runner import Runner
@@ -38,6 +56,7 @@ from jaxrunner.step_io import PendingOutput, RunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,7 @@ class _Child:
     request: Request
     detokenizer: IncrementalDetokenizer | None
     num_sent_tokens: int = 0
+    sent_finished: bool = False
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
 
@@ -80,22 +100,27 @@ def load_tokenizer(args: EngineArgs):
     from transformers import AutoTokenizer
 
     path = args.tokenizer or args.model
+    hint = "pass tokenizer=DIR (--tokenizer), or skip_tokenizer_init=True (--skip-tokenizer-init) and give prompts as token ids"
+    if not os.path.isdir(path):
+        raise ValueError(f"tokenizer directory {path!r} does not exist; {hint}")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"{path!r} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); {hint}")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"could not load a tokenizer from {path!r} ({e}); pass tokenizer=DIR, or skip_tokenizer_init=True "
-            "and give prompts as token ids"
-        ) from e
+    except (OSError, ValueError, KeyError) as e:
+        reason = " ".join(str(e).split())
+        raise ValueError(f"could not load a tokenizer from {path!r} ({reason:.200}); {hint}") from None
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        dtype = resolve_dtype(args)
+        self._closed = False
+        checkpoint = open_model(args)  # before the tokenizer: a bad path or file is named as such
         self.tokenizer = load_tokenizer(args)
+        dtype = resolve_dtype(args)
         start = time.perf_counter()
-        self.model_config, params = jax.block_until_ready(load_weights(args, dtype))
+        self.model_config, params = jax.block_until_ready(load_weights(args, checkpoint, dtype))
         loaded = time.perf_counter()
         self.config = runner_config(args, self.model_config, params, dtype)
         sized = time.perf_counter()
@@ -117,13 +142,20 @@ class LLMEngine:
             self.eos_token_id = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
-        self._failed: list[RequestOutput] = []
+        self._ready: list[RequestOutput] = []  # outputs the next step() returns first
         self._token_texts: dict[int, str] = {}
         self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        # A step still running on the device when the interpreter exits makes it abort (SIGABRT):
+        # wait for whatever is in flight then, or when the engine is dropped.
+        self._finalizer = weakref.finalize(self, _wait_for, self._in_flight)
 
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
-        """Tokenize and check one prompt. Raises ValueError for sampling parameters the engine or
-        runner cannot honour (nothing is queued then); prompt problems fail only this request."""
+        """Tokenize and check one prompt. Raises ValueError for a malformed prompt or for sampling
+        parameters the engine or runner cannot honour (nothing is queued then); a prompt that is
+        well-formed but cannot run (too long, token ids outside the vocabulary) fails only its
+        request."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids with skip_tokenizer_init=True")
@@ -144,7 +176,9 @@ class LLMEngine:
         *,
         delta: bool = False,
     ) -> None:
-        """Queue a request. With `delta`, each output carries only what is new since the last one."""
+        """Queue a request. With `delta`, each output carries only what is new since the last one.
+        Everything is checked before anything is queued: a ValueError leaves the engine as it was."""
+        self._check_open()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         inputs = (
@@ -153,7 +187,7 @@ class LLMEngine:
         parent = _Parent(request_id, inputs, delta)
         if inputs.error is not None:
             logger.warning("request %s failed: %s", request_id, inputs.error)
-            self._failed.append(self._output(parent))
+            self._ready.append(self._output(parent))
             return
         sp = inputs.sampling_params
         room = self.config.max_model_len - len(inputs.prompt_token_ids)
@@ -180,28 +214,36 @@ class LLMEngine:
             if sp.logprobs is not None:
                 child.logprobs, child.cumulative_logprob = [], 0.0
             parent.children.append(child)
-            self._children[request.req_id] = (parent, child)
+        if clash := [c.request.req_id for c in parent.children if c.request.req_id in self.scheduler.requests]:
+            raise ValueError(f"request ids {clash} are already in use")
         for child in parent.children:
             self.scheduler.add_request(child.request)
+            self._children[child.request.req_id] = (parent, child)
         self._parents[request_id] = parent
 
-    def abort_request(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
+    def abort_request(self, request_ids: Iterable[str], final_output: bool = True) -> None:
+        """End requests wherever they are (waiting, running, or with a step in flight) and free their
+        blocks. With `final_output`, each gets a last output (finish_reason "abort"), returned by the
+        next `step()`, so that whoever streams it sees it end. Unknown or finished ids are ignored."""
+        for request_id in list(request_ids):
             parent = self._parents.pop(request_id, None)
             if parent is None:
                 continue
             for child in parent.children:
                 self.scheduler.finish_requests([child.request.req_id], RequestStatus.FINISHED_ABORTED)
                 del self._children[child.request.req_id]
+            if final_output:
+                self._ready.append(self._output(parent))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._failed) or self.scheduler.has_unfinished_requests()
+        return bool(self._ready) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """Dispatch one scheduled batch, then take the output of the batch before it (async
         scheduling: the device runs this step while the host works on the last one's tokens), or of
         this one; the outputs of requests that progressed or finished."""
-        outputs, self._failed = self._failed, []
+        self._check_open()
+        outputs, self._ready = self._ready, []
         scheduled = False
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
@@ -212,6 +254,38 @@ class LLMEngine:
             sched, pending = self._in_flight.popleft()
             outputs += self._process(sched, pending.get())
         return outputs
+
+    def drain(self) -> None:
+        """Wait for every dispatched step and take its output (returned by the next `step()`), so
+        that nothing is left running on the device."""
+        while self._in_flight:
+            sched, pending = self._in_flight.popleft()
+            self._ready += self._process(sched, pending.get())
+
+    def close(self) -> None:
+        """Finish what is in flight, abort every request left and take no more work."""
+        if self._closed:
+            return
+        self.drain()
+        self.abort_request(list(self._parents), final_output=False)
+        self._finalizer()
+        self._closed = True
+
+    def stats(self) -> EngineStats:
+        cache = self.block_manager.stats
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            prefix_cache_queries=cache.queries,
+            prefix_cache_hits=cache.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_nans_in_logits=self.scheduler.num_nans_in_logits,
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was closed; create a new one")
 
     def _process(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestOutput]:
         progressed: dict[str, _Parent] = {}
@@ -286,9 +360,9 @@ class LLMEngine:
         for index, child in enumerate(parent.children):
             request, finished = child.request, child.request.is_finished
             start = child.num_sent_tokens if parent.delta else 0
-            if parent.delta and start == request.num_output_tokens:
+            if parent.delta and start == request.num_output_tokens and finished == child.sent_finished:
                 continue
-            child.num_sent_tokens = request.num_output_tokens
+            child.num_sent_tokens, child.sent_finished = request.num_output_tokens, finished
             text = "" if child.detokenizer is None else child.detokenizer.text(finished, parent.delta)
             completions.append(
                 CompletionOutput(
@@ -299,11 +373,14 @@ class LLMEngine:
                     logprobs=None if child.logprobs is None else child.logprobs[start:],
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
+                    num_nans_in_logits=request.num_nans_in_logits,
                 )
             )
         prompt_logprobs = parent.prompt_logprobs
         if parent.delta:  # vLLM's delta outputs carry them once
             parent.prompt_logprobs = None
+        errors = [f"completion {i}: {c.request.error}" if len(parent.children) > 1 else c.request.error
+                  for i, c in enumerate(parent.children) if c.request.error]
         return RequestOutput(
             request_id=parent.request_id,
             prompt=inputs.prompt,
@@ -312,12 +389,13 @@ class LLMEngine:
             finished=all(c.request.is_finished for c in parent.children),
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(parent.children[0].request.num_cached_tokens, 0),
+            error="; ".join(errors) or None,
         )
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), token_ids("prompt", "prompt_token_ids", prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -326,8 +404,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; give token ids with skip_tokenizer_init=True")
             return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            return None, token_ids("prompt", "a prompt of token ids", prompt)
         raise ValueError(
             f"unsupported prompt {prompt!r:.80}: give a string, a list of token ids or {{'prompt_token_ids': [...]}}"
         )
@@ -350,3 +428,8 @@ class LLMEngine:
         if bad := [t for t in ids if not 0 <= t < vocab]:
             return f"the prompt holds token ids {bad[:5]} outside the model's vocabulary (size {vocab})"
         return None
+
+
+def _wait_for(in_flight: deque[tuple[SchedulerOutput, PendingOutput]]) -> None:
+    for _, pending in in_flight:
+        pending.get()

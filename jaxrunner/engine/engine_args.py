@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import jax
 
 from jaxrunner.bench.shapes import shape
+from jaxrunner.checks import check_bool, check_int, is_real
 from jaxrunner.config import ModelConfig, RunnerConfig
 from jaxrunner.engine.default_model import default_model
 from jaxrunner.engine.scheduler import SchedulerConfig
-from jaxrunner.loader import load_model
+from jaxrunner.loader import Checkpoint, open_checkpoint
 from jaxrunner.models.llama import Params, init_params
 from jaxrunner.runner import Runner
 from jaxrunner.state import kv_cache_bytes
@@ -45,7 +46,8 @@ class EngineArgs:
     is a checkpoint directory (only its config.json is read) or a benchmark shape name
     (`jaxrunner.bench.shapes.SHAPES`). `num_scheduler_steps`: decode steps per device call when a
     batch is all decodes (multi-step decode). `async_scheduling`: dispatch each step before the
-    previous step's output reaches the host."""
+    previous step's output reaches the host. `max_bad_word_len`: the most tokens a bad word may have
+    (the sampler's bad-word arrays are this wide)."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -65,18 +67,28 @@ class EngineArgs:
     load_format: str = "auto"
     num_scheduler_steps: int = 1
     async_scheduling: bool = True
+    max_bad_word_len: int = 8
 
     def __post_init__(self) -> None:
+        where = "EngineArgs"
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            check_int(where, name, getattr(self, name), 1, optional=True)
+        for name in ("block_size", "num_scheduler_steps", "max_bad_word_len"):
+            check_int(where, name, getattr(self, name), 1)
+        check_int(where, "seed", self.seed)
+        check_int(where, "max_logprobs", self.max_logprobs, -1)
+        for name in ("skip_tokenizer_init", "enable_prefix_caching", "async_scheduling"):
+            check_bool(where, name, getattr(self, name))
+        if self.enforce_eager is not None:
+            check_bool(where, "enforce_eager", self.enforce_eager)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.load_format == "dummy" and self.model is None:
             raise ValueError("load_format='dummy' needs model: a checkpoint directory or a shape name")
-        if self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not (is_real(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -126,6 +138,7 @@ def runner_config(args: EngineArgs, model: ModelConfig, params: Params, dtype: s
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode,
+        max_bad_word_len=args.max_bad_word_len,
         compilation_cache_dir="~/.cache/jaxrunner/xla" if gpu else None,
     )
     cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes))
@@ -175,12 +188,18 @@ def kv_blocks_that_fit(limit: int, in_use: int, activations: int, utilization: f
     return blocks
 
 
-def load_weights(args: EngineArgs, dtype: str) -> tuple[ModelConfig, Params]:
-    """The model's config and weights: the built-in tiny model, a checkpoint, or random weights."""
+def open_model(args: EngineArgs) -> Checkpoint | None:
+    """The checkpoint to load, with its config and weight-file headers checked, so a broken one fails
+    before anything slow (None: the built-in model or random weights)."""
+    return open_checkpoint(args.model) if args.model is not None and args.load_format == "auto" else None
+
+
+def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) -> tuple[ModelConfig, Params]:
+    """The model's config and weights: the built-in tiny model, the checkpoint, or random weights."""
+    if checkpoint is not None:
+        return checkpoint.config, checkpoint.load(dtype)
     if args.model is None:
         return default_model(dtype)
-    if args.load_format == "auto":
-        return load_model(args.model, dtype)
     cfg = ModelConfig.from_hf(args.model) if os.path.isdir(args.model) else shape(args.model)
     return cfg, init_params(cfg, jax.random.key(args.seed), dtype)
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
+from jaxrunner.checks import is_int
 from jaxrunner.engine.engine import LLMEngine, Prompt
 from jaxrunner.engine.engine_args import EngineArgs
 from jaxrunner.engine.outputs import RequestOutput
@@ -23,11 +24,26 @@ from jaxrunner.sampling_params import SamplingParams
 class LLM:
     """`engine_args` keep vLLM's names: dtype, max_model_len, block_size, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, gpu_memory_utilization, num_gpu_blocks_override,
-    seed, tokenizer, skip_tokenizer_init, max_logprobs, logprobs_mode (see `EngineArgs`)."""
+    seed, tokenizer, skip_tokenizer_init, max_logprobs, logprobs_mode (see `EngineArgs`).
+
+    `close()` (or a `with` block) waits for the device and frees the engine; an LLM left open is
+    closed at interpreter exit."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
+        # Outputs by request id, for the requests a generate or generate_stream call is consuming:
+        # each call takes its own, so calls interleaved from one thread never lose each other's.
+        self._outbox: dict[str, list[RequestOutput]] = {}
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.llm_engine.close()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -39,16 +55,16 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Finished outputs, in the order of `prompts`. A prompt that cannot run gets an output with
-        finish_reason "error" (and `error` set) while the others complete."""
+        finish_reason "error" (and `error` set) while the others complete. Returns once nothing it
+        dispatched is still running on the device."""
         request_ids = self._add_requests(prompts, sampling_params, delta=False)
-        own_ids = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         num_in = num_out = 0
         try:
             while len(finished) < len(request_ids):
-                for out in self.llm_engine.step():
-                    if not out.finished or out.request_id not in own_ids:
+                for out in self._next_outputs(request_ids):
+                    if not out.finished:
                         continue
                     finished[out.request_id] = out
                     num_in += len(out.prompt_token_ids)
@@ -60,7 +76,7 @@ class LLM:
                     bar.update(1)
         finally:
             bar.close()
-            self.llm_engine.abort_request([rid for rid in request_ids if rid not in finished])
+            self._release(request_ids)
         return [finished[rid] for rid in request_ids]
 
     def generate_stream(
@@ -69,20 +85,40 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
         """Outputs as tokens arrive: each carries only the new text and token ids of the completions
-        that progressed (vLLM's DELTA outputs); the last one of a request has `finished` set.
-        Closing the iterator early aborts what is still running."""
+        that progressed (vLLM's DELTA outputs); the last one of a request has `finished` set (an
+        aborted request's with finish_reason "abort"). Closing the iterator early aborts what is
+        still running."""
         request_ids = self._add_requests(prompts, sampling_params, delta=True)
         pending = set(request_ids)
         try:
             while pending:
-                for out in self.llm_engine.step():
-                    if out.request_id not in pending:
-                        continue
+                for out in self._next_outputs(sorted(pending)):
                     if out.finished:
                         pending.discard(out.request_id)
                     yield out
         finally:
-            self.llm_engine.abort_request(sorted(pending))
+            self._release(request_ids)
+
+    def _next_outputs(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """These requests' outputs that are waiting, or else those of one more engine step."""
+        if not any(self._outbox[rid] for rid in request_ids):
+            if not self.llm_engine.has_unfinished_requests():
+                raise RuntimeError(f"the engine has nothing left to run, yet requests {list(request_ids)} never finished")
+            for out in self.llm_engine.step():
+                if out.request_id in self._outbox:
+                    self._outbox[out.request_id].append(out)
+        taken = []
+        for rid in request_ids:
+            taken += self._outbox[rid]
+            self._outbox[rid] = []
+        return taken
+
+    def _release(self, request_ids: list[str]) -> None:
+        """A call is done with its requests: abort what still runs, wait for the device, drop their outputs."""
+        self.llm_engine.abort_request(request_ids, final_output=False)
+        self.llm_engine.drain()
+        for rid in request_ids:
+            del self._outbox[rid]
 
     def _add_requests(
         self,
@@ -90,15 +126,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         delta: bool,
     ) -> list[str]:
-        """Check every prompt first, so a bad sampling parameter raises before anything is queued."""
+        """Check every prompt first, so a bad prompt or sampling parameter raises before anything is queued."""
         prompt_list = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompt_list)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompt_list)
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, dict)):
+            params = list(sampling_params)
+        else:
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
         if len(params) != len(prompt_list):
             raise ValueError(
                 f"got {len(params)} sampling_params for {len(prompt_list)} prompts: pass one SamplingParams, "
@@ -108,6 +147,7 @@ class LLM:
         request_ids = [str(next(self._ids)) for _ in processed]
         for request_id, inputs in zip(request_ids, processed):
             self.llm_engine.add_request(request_id, inputs, delta=delta)
+            self._outbox[request_id] = []
         return request_ids
 
 
@@ -116,6 +156,6 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and all(is_int(t) for t in prompts):
         return [prompts]
     return prompts

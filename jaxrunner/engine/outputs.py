@@ -24,6 +24,8 @@ class CompletionOutput:
     token id or the string (None for EOS). `logprobs` (None unless the request asked for them): one
     {token_id: Logprob} dict per entry of `token_ids`, holding that token and the top N;
     `cumulative_logprob` sums the logprobs of every token generated so far (delta outputs too).
+    `num_nans_in_logits`: NaN values in the logits the completion was sampled from (any ends it with
+    finish_reason "error").
     """
 
     index: int
@@ -33,6 +35,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_nans_in_logits: int = 0
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -53,3 +56,16 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters (`LLMEngine.stats()`); the counts are since start-up."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_nans_in_logits: int

@@ -49,6 +49,8 @@ class Request:
     num_preemptions: int = 0
     # Tokens being sampled by dispatched steps whose output has not come back (async scheduling).
     num_pending_tokens: int = 0
+    num_nans_in_logits: int = 0
+    error: str | None = None  # why a request that finished with an error did
     # Chained hashes of the full blocks of `all_token_ids`, filled lazily by the block manager.
     block_hashes: list[int] = field(default_factory=list)
 

@@ -44,10 +44,11 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests that left while the runner held them; reported (and forgotten) by the next step.
         self._finished_in_runner: set[str] = set()
-        # Per scheduled step, oldest first, until its output is back: for each request that samples,
-        # its preemption count when scheduled (a token from before a preemption is dropped) and how
-        # many tokens it samples.
-        self._in_flight: deque[dict[str, tuple[int, int]]] = deque()
+        self.num_nans_in_logits = 0  # NaN logits the runner reported, over every request
+        # Per scheduled step, oldest first, until its output is back: each scheduled request (the
+        # object: an id can be re-used once its request ended), its preemption count when scheduled
+        # (a token from before a preemption is dropped) and how many tokens it samples.
+        self._in_flight: deque[dict[str, tuple[Request, int, int]]] = deque()
 
     def add_request(self, request: Request) -> None:
         if request.req_id in self.requests:
@@ -110,18 +111,18 @@ class Scheduler:
 
         steps = self._decode_steps(num_scheduled, new_blocks) if not (admitted or preempted) else None
         out = self._build_output(admitted, num_scheduled, new_blocks, preempted, steps)
-        sampling = {}
+        scheduled = {}
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
             if steps:  # one decode token, then a token per extra step
                 request.num_computed_tokens += steps[req_id]
-                sampling[req_id] = (request.num_preemptions, steps[req_id])
+                num_sampled = steps[req_id]
             else:
                 request.num_computed_tokens += n
-                if request.num_computed_tokens == request.num_expected_tokens:
-                    sampling[req_id] = (request.num_preemptions, 1)
-            request.num_pending_tokens += sampling.get(req_id, (0, 0))[1]
-        self._in_flight.append(sampling)
+                num_sampled = int(request.num_computed_tokens == request.num_expected_tokens)
+            request.num_pending_tokens += num_sampled
+            scheduled[req_id] = (request, request.num_preemptions, num_sampled)
+        self._in_flight.append(scheduled)
         return out
 
     def _decode_steps(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]]) -> dict[str, int] | None:
@@ -193,19 +194,27 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> dict[str, list[int]]:
         """Take the output of the oldest step in flight: append the sampled tokens and finish requests
-        that hit a stop condition; the new tokens per request (cut at the token that finished it).
-        Tokens of requests that finished or were preempted since the step was scheduled are dropped."""
-        new_tokens: dict[str, list[int]] = {}
-        sampling = self._in_flight.popleft()
-        for req_id in sched.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            preemptions, expected = sampling.get(req_id, (None, 0))
-            if request is None or (expected and request.num_preemptions != preemptions):
+        that hit a stop condition. Returns the new tokens (cut at the token that finished the request)
+        of every request that gained tokens or finished. Tokens of requests that ended or were
+        preempted since the step was scheduled are dropped. A request whose logits held NaN keeps none
+        of the step's tokens and finishes with an error (`Request.error` says so)."""
+        progressed: dict[str, list[int]] = {}
+        for req_id, (request, preemptions, expected) in self._in_flight.popleft().items():
+            if self.requests.get(req_id) is not request or request.num_preemptions != preemptions:
                 continue
             request.num_pending_tokens -= expected
-            sampled = out.sampled_token_ids[out.req_id_to_index[req_id]]
+            index = out.req_id_to_index[req_id]
+            sampled = out.sampled_token_ids[index]
             if len(sampled) > expected or (expected and not sampled):
                 raise RuntimeError(f"runner returned {len(sampled)} tokens for request {req_id!r}, expected {expected}")
+            if nans := out.num_nans_in_logits.get(req_id, 0):
+                self.num_nans_in_logits += nans
+                request.num_nans_in_logits += nans
+                request.error = (f"the model's logits held {nans} NaN values at output token {request.num_output_tokens}; "
+                                 "generation stopped there (check the weights and the dtype)")
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                progressed[req_id] = []
+                continue
             kept = []
             for token in sampled:
                 request.output_token_ids.append(token)
@@ -217,8 +226,8 @@ class Scheduler:
             if len(kept) < expected and not request.is_finished:
                 raise RuntimeError(f"runner returned {len(kept)} of {expected} tokens for request {req_id!r} without a stop")
             if kept:
-                new_tokens[req_id] = kept
-        return new_tokens
+                progressed[req_id] = kept
+        return progressed
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
         """End requests from outside the step (a stop string matched, an abort)."""

@@ -189,7 +189,8 @@ def prepare_request(params: SamplingParams, seed: int, prompt_len: int, config: 
         ("tokens in one bad word", max(map(len, words), default=0), config.max_bad_word_len),
     ):
         if count > limit:
-            raise ValueError(f"SamplingParams: {count} {name} exceed the engine's maximum of {limit}")
+            hint = "; raise the engine argument max_bad_word_len" if name == "tokens in one bad word" else ""
+            raise ValueError(f"SamplingParams: {count} {name} exceed the engine's maximum of {limit}{hint}")
     bad_words = np.full((len(words), config.max_bad_word_len), -1, np.int32)
     for i, word in enumerate(words):
         bad_words[i, config.max_bad_word_len - len(word) :] = word
