@@ -19,7 +19,7 @@ import jax
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxrunner import Runner, RunnerConfig
-from jaxrunner.bench.shapes import SHAPES, shape
+from jaxrunner.models.shapes import SHAPES, shape
 from jaxrunner.models.llama import init_params
 
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))

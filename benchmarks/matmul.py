@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.profile import busy_ns, trace_kernels
-from jaxrunner.bench.shapes import COPY_BANDWIDTH, SHAPES, shape
+from jaxrunner.bench.floors import COPY_BANDWIDTH
+from jaxrunner.models.shapes import SHAPES, shape
 
 
 def layouts(name: str) -> dict[str, list[tuple[int, int]]]:

@@ -27,7 +27,8 @@ import numpy as np
 from jax.profiler import ProfileData
 
 from jaxrunner import CachedRequestData, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
-from jaxrunner.bench.shapes import COPY_BANDWIDTH, SHAPES, shape, weight_bytes_per_step
+from jaxrunner.bench.floors import COPY_BANDWIDTH, weight_bytes_per_step
+from jaxrunner.models.shapes import SHAPES, shape
 from jaxrunner.models import llama
 from jaxrunner.models.llama import init_params
 from jaxrunner.state import kv_cache_bytes

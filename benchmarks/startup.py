@@ -15,7 +15,7 @@ import logging
 import os
 import time
 
-from jaxrunner.bench.shapes import SHAPES
+from jaxrunner.models.shapes import SHAPES
 from jaxrunner.engine import LLM
 
 

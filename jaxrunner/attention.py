@@ -7,9 +7,11 @@ live in the pages `block_tables[s]`. Prefill chunks and decodes mix freely in on
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
-from jaxrunner.config import ModelConfig
+from jaxrunner.config import Kernels, ModelConfig
 from jaxrunner.pytree import pytree_dataclass, static_field
 from pallas_kernels import (
     ragged_paged_attention,
@@ -32,31 +34,38 @@ class AttentionMetadata:
 class PagedAttention:
     """The model's attention for one batch, called by every layer: write the layer's new K/V into its
     pages, then attend over them. A pytree (the batch's metadata are its leaves, the model's options
-    its structure), so the jitted decoder layer takes it as an argument.
+    and the kernel choice its structure), so the jitted decoder layer takes it as an argument.
 
-    On a GPU both halves are Pallas kernels (the KV write aliased in place; the decode-specialised
-    attention when every sequence has one query token). Elsewhere (CPU tests) they are the
+    With Pallas kernels both halves are Pallas (the KV write aliased in place; the
+    decode-specialised attention when every sequence has one query token). Otherwise they are the
     pure-jnp scatter and reference, which compute the same function.
     """
 
     md: AttentionMetadata
     sm_scale: float = static_field()
     sliding_window: int | None = static_field()
+    soft_cap: float | None = static_field()
+    kernels: Kernels = static_field()
     uniform_decode: bool = static_field()
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple) -> tuple[jax.Array, tuple]:
         """(out [T, Hq, D], the layer's (k, v) pages) for this step's q, k, v and the layer's pages."""
-        md, on_gpu = self.md, jax.default_backend() == "gpu"
-        if on_gpu:
-            attention = ragged_paged_attention_decode if self.uniform_decode else ragged_paged_attention
+        md, kernels = self.md, self.kernels
+        options = dict(sm_scale=self.sm_scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap)
+        if not kernels.pallas:
+            k_cache, v_cache = write_kv(*kv, k, v, md.slot_mapping, impl="xla")
+            attention = functools.partial(reference_ragged_paged_attention, **options)
         else:
-            attention = reference_ragged_paged_attention
-        k_cache, v_cache = write_kv(*kv, k, v, md.slot_mapping, impl="pallas" if on_gpu else "xla")
-        out = attention(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs,
-                        sm_scale=self.sm_scale, sliding_window=self.sliding_window)
+            k_cache, v_cache = write_kv(*kv, k, v, md.slot_mapping, interpret=kernels.interpret)
+            if self.uniform_decode:
+                attention = functools.partial(ragged_paged_attention_decode, num_sms=kernels.num_sms, **options,
+                                              interpret=kernels.interpret)
+            else:
+                attention = functools.partial(ragged_paged_attention, **options, interpret=kernels.interpret)
+        out = attention(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs)
         return out, (k_cache, v_cache)
 
 
-def paged_attend(model: ModelConfig, md: AttentionMetadata, *, uniform_decode: bool = False) -> PagedAttention:
+def paged_attend(model: ModelConfig, md: AttentionMetadata, kernels: Kernels, *, uniform_decode: bool = False) -> PagedAttention:
     """The model's paged attention over the batch `md` describes."""
-    return PagedAttention(md, model.head_dim**-0.5, model.sliding_window, uniform_decode)
+    return PagedAttention(md, model.head_dim**-0.5, model.sliding_window, model.attn_soft_cap, kernels, uniform_decode)

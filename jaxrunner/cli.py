@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from jaxrunner.bench.shapes import SHAPES
+from jaxrunner.models.shapes import SHAPES
 from jaxrunner.engine.default_model import DEFAULT_MODEL_NOTICE
 
 # (flag, type, help) for the SamplingParams fields the CLI exposes; `type` None means a switch.

@@ -2,7 +2,8 @@
 
 `ModelConfig` is read from a Hugging Face `config.json` (through `transformers.AutoConfig`) and is
 hashable, so jitted functions take it as a static argument. `RunnerConfig` sizes the runner: request
-slots, token budget, KV cache and the compilation buckets derived from them.
+slots, token budget, KV cache and the compilation buckets derived from them, the sampler's limits
+(`SamplerConfig`) and which kernels run (`Kernels`, resolved once from `RunnerConfig.kernels`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 
 import jax.numpy as jnp
+
+from jaxrunner import platform
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -48,6 +51,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    attn_soft_cap: float | None = None  # attention scores capped to soft_cap * tanh(s / soft_cap) (Gemma 2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -124,6 +128,7 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=window,
+            attn_soft_cap=getattr(hf, "attn_logit_softcapping", None),
             bos_token_id=hf.bos_token_id,
             eos_token_ids=eos_ids,
         )
@@ -137,15 +142,76 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sizes) + (hi,)
 
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Engine-wide sampler settings, fixed for the runner's lifetime.
+
+    `max_logprobs` bounds what a request may ask for (-1: the whole vocabulary); every row that
+    wants logprobs gets that many top columns and the host keeps each row's own count.
+    `logprobs_mode`: raw_logprobs, raw_logits, processed_logprobs or processed_logits (processed:
+    after the sampling parameters). The `max_*` widths bound the per-request lists (vLLM's limits;
+    bad words are jaxrunner's own): the sampler's arrays have these widths when a batch needs them.
+    """
+
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
+    count_nans: bool = True
+    max_logit_bias: int = 1024
+    max_allowed_token_ids: int = 1024
+    max_stop_token_ids: int = 128
+    max_bad_words: int = 128
+    max_bad_word_len: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (whole vocabulary) or >= 0, got {self.max_logprobs}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        for name in ("max_logit_bias", "max_allowed_token_ids", "max_stop_token_ids", "max_bad_words", "max_bad_word_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def logprobs_width(self, vocab_size: int) -> int:
+        """Top-logprob columns computed beside the sampled token's when some row wants logprobs."""
+        return vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
+
+
+KERNEL_CHOICES = ("auto", "pallas", "reference")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Which implementation the kernels use, decided once per runner: a static argument of every
+    program that runs one. `pallas`: the Pallas kernels (attention, KV write, sampler tally), else
+    their jnp references; `interpret`: Pallas in interpret mode (a machine without a GPU);
+    `num_sms`: the GPU's streaming multiprocessors, which set the decode attention's KV splits."""
+
+    pallas: bool
+    interpret: bool
+    num_sms: int
+
+    @classmethod
+    def choose(cls, choice: str) -> Kernels:
+        """"auto": Pallas on a GPU, the references elsewhere; "pallas" off a GPU runs interpreted."""
+        if choice not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+        gpu = platform.on_gpu()
+        return cls(pallas=choice == "pallas" or (choice == "auto" and gpu), interpret=not gpu, num_sms=platform.num_sms())
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """Sizes of the runner.
 
     `max_num_seqs` request slots, each up to `max_model_len` tokens; at most `max_num_batched_tokens`
-    tokens per step; a paged KV cache of `num_blocks` blocks of `block_size` tokens. Requests may
-    ask for up to `max_logprobs` logprobs (-1: the whole vocabulary), reported per `logprobs_mode`.
-    `compilation_cache_dir` turns on JAX's persistent compilation cache (process-wide) there, and
-    the runner's program cache in its `programs` folder (`program_cache`: found without lowering).
+    tokens per step; a paged KV cache of `num_blocks` blocks of `block_size` tokens.
+    `num_scheduler_steps`: the decode steps of a multi-step call (warm-up compiles its loop).
+    `kernels`: "auto", "pallas" or "reference" (see `Kernels.choose`). `compilation_cache_dir` turns
+    on JAX's persistent compilation cache (process-wide) there, and the runner's program cache in
+    its `programs` folder (`program_cache`: found without lowering).
     """
 
     max_num_seqs: int = 8
@@ -155,22 +221,22 @@ class RunnerConfig:
     num_blocks: int = 256
     dtype: str = "float32"
     seed: int = 0
-    max_logprobs: int = 20
-    logprobs_mode: str = "raw_logprobs"
-    max_bad_word_len: int = 8
+    num_scheduler_steps: int = 1
+    sampler: SamplerConfig = SamplerConfig()
+    kernels: str = "auto"
     compilation_cache_dir: str | None = None
     token_buckets: tuple[int, ...] = field(default=())
     request_buckets: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks", "max_bad_word_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks",
+                     "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunnerConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"RunnerConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        modes = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-        if self.logprobs_mode not in modes:
-            raise ValueError(f"RunnerConfig.logprobs_mode must be one of {', '.join(modes)}, got {self.logprobs_mode!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"RunnerConfig.kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if not self.token_buckets:
             lo = min(16, self.max_num_batched_tokens)
             object.__setattr__(self, "token_buckets", _powers_of_two(lo, self.max_num_batched_tokens))

@@ -13,18 +13,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from jaxrunner.checks import is_int
-from jaxrunner.config import RunnerConfig
-from jaxrunner.pytree import pytree_dataclass
-from jaxrunner.sampling import (
-    RequestSampling,
-    SamplerConfig,
-    SamplerFlags,
-    SamplingMetadata,
-    build_sampling_metadata,
-    flag_variants,
-    prepare_request,
-)
+from jaxrunner.config import ModelConfig, RunnerConfig
+from jaxrunner.sampling import RequestSampling, SamplerFlags, build_sampling_metadata, flag_variants, prepare_request
 from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.step import SampleInputs, TokenInputs
 from jaxrunner.step_io import SchedulerOutput, decode_steps
 
 
@@ -51,12 +43,14 @@ class RequestTable:
         return cls({}, tuple(range(max_num_seqs)))
 
     def apply(
-        self, sched: SchedulerOutput, cfg: RunnerConfig, sampler: SamplerConfig, rng: np.random.Generator
+        self, sched: SchedulerOutput, cfg: RunnerConfig, model: ModelConfig, rng: np.random.Generator
     ) -> tuple[RequestTable, list[str]]:
         """The table after `sched`, and the requests whose block-table rows changed."""
-        _check(self, sched, cfg, sampler.vocab_size)
+        _check(self, sched, cfg, model.vocab_size)
         packed = [
-            prepare_request(n.sampling_params, 0, len(n.prompt_token_ids), sampler) for n in sched.scheduled_new_reqs
+            prepare_request(n.sampling_params, 0, len(n.prompt_token_ids), cfg.sampler, model.vocab_size,
+                            model.eos_token_ids)
+            for n in sched.scheduled_new_reqs
         ]
         gone = (set(sched.finished_req_ids) | set(sched.preempted_req_ids)) & self.rows.keys()
         rows = {rid: row for rid, row in self.rows.items() if rid not in gone}
@@ -202,28 +196,6 @@ def _check_types(sched: SchedulerOutput, bad: Callable[[str], None]) -> None:
             block_ids(f"request {rid!r}: new_block_ids", groups)
 
 
-@pytree_dataclass
-class TokenInputs:
-    """Per-token ([T]) and per-sequence ([S] = max_num_seqs) inputs of the backbone."""
-
-    token_ids: np.ndarray  # i32 [T]; -1: read the token from the device state (a sampled token)
-    token_rows: np.ndarray  # i32 [T]; the request slot; max_num_seqs for padding
-    positions: np.ndarray  # i32 [T]
-    query_start_loc: np.ndarray  # i32 [S + 1]
-    seq_lens: np.ndarray  # i32 [S]
-    seq_rows: np.ndarray  # i32 [S]
-    num_seqs: np.ndarray  # i32 []
-
-
-@pytree_dataclass
-class SampleInputs:
-    """Per-request ([B]) inputs of the logits + sampler step."""
-
-    commit_rows: np.ndarray  # i32 [B]; slot to append the sampled token to; max_num_seqs: discard
-    history_rows: np.ndarray  # i32 [B]; slot whose token row penalties and bad words read
-    sampling: SamplingMetadata
-
-
 def batch_order(table: RequestTable, sched: SchedulerOutput) -> list[str]:
     """Decodes first, then by ascending query length (vLLM's order; decode kernels want it)."""
     ids = [n.req_id for n in sched.scheduled_new_reqs] + list(sched.scheduled_cached_reqs.req_ids)
@@ -235,7 +207,7 @@ def build_inputs(
     order: list[str],
     scheduled: dict[str, int],
     cfg: RunnerConfig,
-    sampler: SamplerConfig,
+    vocab_size: int,
     t_bucket: int,
     b_bucket: int,
 ) -> tuple[TokenInputs, SampleInputs, SamplerFlags, set[str]]:
@@ -267,7 +239,8 @@ def build_inputs(
     qsl[len(order) + 1 :] = start
     tokens = TokenInputs(token_ids, token_rows, positions, qsl, seq_lens, seq_rows, np.int32(len(order)))
     md, flags = build_sampling_metadata(
-        [table.rows[rid].sampling for rid in order], seq_lens[: len(order)], b_bucket, sampler, flag_variants(sampler)
+        [table.rows[rid].sampling for rid in order], seq_lens[: len(order)], b_bucket, cfg.sampler, vocab_size,
+        flag_variants(cfg.sampler, vocab_size),
     )
     return tokens, SampleInputs(commit_rows, seq_rows[:b_bucket], md), flags, sampled
 

@@ -1,9 +1,9 @@
 """Compiled programs on disk, found without lowering them.
 
 JAX's persistent compilation cache keys an executable by its lowered module, so a warm start still
-lowers every program (traces it, emits StableHLO and the Pallas kernels' Triton IR) under the GIL:
-21 s of the 8B shape's 21.5 s cached warm-up on the H200. This cache keys a program by what its
-lowering is made from instead: the source of jaxrunner and pallas_kernels, the jax version and
+lowers every program (traces it, emits StableHLO and the Pallas kernels' Triton IR) under the GIL,
+which was nearly all of a cached warm-up (docs/benchmarks.md). This cache keys a program by what
+its lowering is made from instead: the source of jaxrunner and pallas_kernels, the jax version and
 flags, the device, the function, its static options and its arguments' structure, shapes and dtypes.
 A warm start then only loads executables. A file that does not load is compiled again and rewritten.
 """
@@ -22,17 +22,14 @@ import jaxlib
 import numpy as np
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
-import jaxrunner
-import pallas_kernels
-
 logger = logging.getLogger(__name__)
 
 
 @functools.cache
 def _source_digest() -> str:
     digest = hashlib.sha256()
-    for package in (jaxrunner, pallas_kernels):
-        root = pathlib.Path(package.__file__).parent
+    packages = pathlib.Path(__file__).parents[1]
+    for root in (packages / "jaxrunner", packages / "pallas_kernels"):
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()

@@ -1,4 +1,4 @@
-"""The jitted device side of a step: three pure functions over the donated RunnerState.
+"""The device side of a step: pure functions over the donated RunnerState, and their input pytrees.
 
 - `write_block_rows`: copy changed block-table rows in (only on steps where some request got blocks).
 - `forward_step` (one graph per token bucket, and one more per bucket that holds only decodes, for
@@ -11,6 +11,8 @@
 - `prompt_logprobs_step` (one graph, fixed chunk): logprobs of prompt tokens from the backbone's
   hidden states, for requests that ask for prompt logprobs.
 Splitting at the last-token hidden states keeps the number of graphs at T + R, not T x R.
+`programs.py` compiles each of them per bucket and option; `kernels` (a static `Kernels`) says
+whether the Pallas kernels or the jnp references run.
 """
 
 from __future__ import annotations
@@ -21,11 +23,33 @@ import jax
 import jax.numpy as jnp
 
 from jaxrunner.attention import AttentionMetadata, paged_attend
-from jaxrunner.config import ModelConfig
-from jaxrunner.input_batch import SampleInputs, TokenInputs
+from jaxrunner.config import Kernels, ModelConfig
 from jaxrunner.models.llama import Params, compute_logits, forward
-from jaxrunner.sampling import SamplerFlags, SamplerOutput, compute_logprobs, sample
+from jaxrunner.pytree import pytree_dataclass
+from jaxrunner.sampling import SamplerFlags, SamplerOutput, SamplingMetadata, compute_logprobs, sample
 from jaxrunner.state import RunnerState
+
+
+@pytree_dataclass
+class TokenInputs:
+    """Per-token ([T]) and per-sequence ([S] = max_num_seqs) inputs of the backbone."""
+
+    token_ids: jax.Array  # i32 [T]; -1: read the token from the device state (a sampled token)
+    token_rows: jax.Array  # i32 [T]; the request slot; max_num_seqs for padding
+    positions: jax.Array  # i32 [T]
+    query_start_loc: jax.Array  # i32 [S + 1]
+    seq_lens: jax.Array  # i32 [S]
+    seq_rows: jax.Array  # i32 [S]
+    num_seqs: jax.Array  # i32 []
+
+
+@pytree_dataclass
+class SampleInputs:
+    """Per-request ([B]) inputs of the logits + sampler step."""
+
+    commit_rows: jax.Array  # i32 [B]; slot to append the sampled token to; max_num_seqs: discard
+    history_rows: jax.Array  # i32 [B]; slot whose token row penalties and bad words read
+    sampling: SamplingMetadata
 
 
 def matmul_precision(params: Params) -> str:
@@ -39,7 +63,7 @@ def write_block_rows(state: RunnerState, slots: jax.Array, rows: jax.Array) -> R
 
 
 def forward_step(
-    params: Params, state: RunnerState, inp: TokenInputs, *, model: ModelConfig, uniform_decode: bool
+    params: Params, state: RunnerState, inp: TokenInputs, *, model: ModelConfig, kernels: Kernels, uniform_decode: bool
 ) -> tuple[jax.Array, jax.Array, RunnerState]:
     """(hidden state of each sequence's last token [S, H], of every token [T, H], the new state)."""
     num_rows = state.token_ids.shape[0]
@@ -57,13 +81,14 @@ def forward_step(
         num_seqs=inp.num_seqs,
     )
     with jax.default_matmul_precision(matmul_precision(params)):
-        hidden, kv = forward(params, model, ids, inp.positions, state.kv, paged_attend(model, md, uniform_decode=uniform_decode))
+        hidden, kv = forward(params, model, ids, inp.positions, state.kv, paged_attend(model, md, kernels, uniform_decode=uniform_decode))
     last = hidden[jnp.maximum(inp.query_start_loc[1:] - 1, 0)]
     return last, hidden, dataclasses.replace(state, token_ids=token_ids, kv=kv)
 
 
 def sample_step(
-    params: Params, state: RunnerState, last_hidden: jax.Array, inp: SampleInputs, *, model: ModelConfig, flags: SamplerFlags
+    params: Params, state: RunnerState, last_hidden: jax.Array, inp: SampleInputs, *, model: ModelConfig,
+    kernels: Kernels, flags: SamplerFlags,
 ) -> tuple[SamplerOutput, RunnerState]:
     with jax.default_matmul_precision(matmul_precision(params)):
         logits = compute_logits(params, model, last_hidden[: inp.commit_rows.shape[0]])
@@ -71,7 +96,7 @@ def sample_step(
         history = state.token_ids[inp.history_rows]
     else:
         history = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    out = sample(logits, inp.sampling, flags, history)
+    out = sample(logits, inp.sampling, flags, history, kernels)
     token_ids = state.token_ids.at[inp.commit_rows, inp.sampling.positions].set(out.tokens, mode="drop")
     return out, dataclasses.replace(state, token_ids=token_ids)
 
@@ -116,6 +141,7 @@ def decode_loop(
     steps: jax.Array,
     *,
     model: ModelConfig,
+    kernels: Kernels,
     flags: SamplerFlags,
     num_steps: int,
     uniform_decode: bool,
@@ -125,8 +151,8 @@ def decode_loop(
 
     def round_(state: RunnerState, j: jax.Array) -> tuple[RunnerState, SamplerOutput]:
         tok, smp = decode_round(tokens, samples, steps, j, state.token_ids.shape[0])
-        last_hidden, _, state = forward_step(params, state, tok, model=model, uniform_decode=uniform_decode)
-        out, state = sample_step(params, state, last_hidden, smp, model=model, flags=flags)
+        last_hidden, _, state = forward_step(params, state, tok, model=model, kernels=kernels, uniform_decode=uniform_decode)
+        out, state = sample_step(params, state, last_hidden, smp, model=model, kernels=kernels, flags=flags)
         return state, out
 
     state, outs = jax.lax.scan(round_, state, jnp.arange(num_steps))

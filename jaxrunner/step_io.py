@@ -7,12 +7,11 @@ padded device arrays.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import jax
 import numpy as np
 
-from jaxrunner.sampling.logprobs import LogprobsArrays
 from jaxrunner.sampling_params import SamplingParams
 
 
@@ -31,7 +30,6 @@ class NewRequestData:
     num_computed_tokens: int = 0
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     prefill_token_ids: list[int] | None = None
-    lora_name: str | None = None
 
     @property
     def all_prefill_token_ids(self) -> list[int]:
@@ -79,13 +77,33 @@ def decode_steps(num_steps: int, num_tokens: int, num_outputs: int, params: Samp
 
 
 @dataclass(frozen=True)
+class LogprobsArrays:
+    """Host copy of logprobs for n positions (vLLM's LogprobsTensors as numpy)."""
+
+    token_ids: np.ndarray  # i32 [n, 1 + N]: the chosen token, then the top N
+    logprobs: np.ndarray  # f32 [n, 1 + N]
+    ranks: np.ndarray  # i32 [n]: rank of the chosen token
+
+    @classmethod
+    def concat(cls, parts: Sequence[LogprobsArrays]) -> LogprobsArrays:
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("token_ids", "logprobs", "ranks")))
+
+    def select(self, rows: slice | np.ndarray, num_top: int) -> LogprobsArrays:
+        """Some rows, with the chosen token and the first `num_top` top entries."""
+        return LogprobsArrays(self.token_ids[rows, : 1 + num_top], self.logprobs[rows, : 1 + num_top], self.ranks[rows])
+
+
+@dataclass(frozen=True)
 class RunnerOutput:
     """One entry per scheduled request, in `req_ids` order.
 
-    `sampled_token_ids[i]` is empty when request i only ran a non-final prefill chunk.
-    `logprobs[req_id]`: one row for the sampled token (the token itself, then the request's top N),
+    `sampled_token_ids[i]` is empty when request i only ran a non-final prefill chunk; after a
+    multi-step call it holds every step's token, also past a stop token (the scheduler, which knows
+    the stop conditions, cuts there).
+    `logprobs[req_id]`: one row per sampled token (the token itself, then the request's top N),
     for requests that sampled and asked for logprobs. `prompt_logprobs_dict[req_id]`: one row per
     prompt position 1.., given once, in the step that completes the prompt.
+    `num_nans_in_logits[req_id]`: NaN values in the logits its tokens were sampled from.
     """
 
     req_ids: list[str]
@@ -94,47 +112,3 @@ class RunnerOutput:
     logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
     prompt_logprobs_dict: dict[str, LogprobsArrays] = field(default_factory=dict)
     num_nans_in_logits: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class PendingOutput:
-    """A dispatched step's output, still on its way from the device; `get()` waits for it.
-
-    `steps[rid]` tokens were sampled for each request that samples (device arrays in `sampled`,
-    [B] for one step or [num_steps, B], batch column i for `req_ids[i]`). A request's tokens end at its first stop token:
-    tokens a multi-step call sampled past it are dropped here. `num_top[rid]` is the number of top
-    logprobs it asked for (-1: none).
-    """
-
-    req_ids: list[str]
-    steps: dict[str, int]
-    stop_ids: dict[str, frozenset[int]]
-    num_top: dict[str, int]
-    sampled: object  # SamplerOutput of [steps, B] arrays, or None for an empty step
-    prompt_logprobs: dict[str, LogprobsArrays]
-
-    def get(self) -> RunnerOutput:
-        if not self.req_ids:
-            return RunnerOutput([], {}, [])
-        out = jax.device_get(self.sampled)
-        if out.tokens.ndim == 1:  # a single step
-            out = jax.tree.map(lambda x: x[None], out)
-        tokens, logprobs, nans = [], {}, {}
-        for i, rid in enumerate(self.req_ids):
-            column = out.tokens[: self.steps.get(rid, 0), i].tolist()
-            stops = [k for k, t in enumerate(column) if t in self.stop_ids[rid]]
-            kept = column[: stops[0] + 1] if stops else column
-            tokens.append(kept)
-            n = len(kept)
-            nans[rid] = int(np.sum(out.num_nans[: max(n, 1), i]))
-            if n and self.num_top[rid] >= 0:
-                rows = LogprobsArrays(out.logprob_token_ids[:n, i], out.logprobs[:n, i], out.ranks[:n, i])
-                logprobs[rid] = rows.select(slice(None), self.num_top[rid])
-        return RunnerOutput(
-            req_ids=self.req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(self.req_ids)},
-            sampled_token_ids=tokens,
-            logprobs=logprobs,
-            prompt_logprobs_dict=self.prompt_logprobs,
-            num_nans_in_logits=nans,
-        )

@@ -7,11 +7,14 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_decode,
     reference_ragged_paged_attention,
 )
+from pallas_kernels.sampler_tally import tally_kernel, tally_reference
 
 __all__ = [
     "KernelConfig",
     "ragged_paged_attention",
     "ragged_paged_attention_decode",
     "reference_ragged_paged_attention",
+    "tally_kernel",
+    "tally_reference",
     "write_kv",
 ]

@@ -1,6 +1,6 @@
 """Ragged paged attention: one call for a packed batch of prefill chunks and decodes.
 
-Inputs (see the runner's contract in DESIGN.md section 5):
+Inputs (the runner's attention contract, docs/design.md):
 - `q` [T, Hq, D]: the step's query tokens, packed sequence after sequence;
 - `k_cache`, `v_cache` [num_blocks, block_size, Hkv, D]: one layer's paged cache, already holding
   the KV of the step's tokens (`write_kv` runs first);
@@ -19,8 +19,7 @@ Two entry points share one kernel (`attention_kernel.py`) and differ only in sta
   than `queries_per_seq` query tokens (1, or 1 + k speculative drafts): one program per sequence and
   KV head with as few padded rows as the dot allows, and the context split across programs
   (flash-decoding) so that a small batch with a long context still fills the GPU. The runner calls
-  it when the step is a uniform decode. `impl="mosaic"` swaps in an experimental Mosaic GPU kernel
-  (TMA + wgmma, `mosaic_decode.py`) for the benchmark to weigh against the Triton-lowered one.
+  it when the step is a uniform decode. Its splits depend on the GPU's SM count (`num_sms`).
 
 Both take a `config` override (a `KernelConfig`) so benchmarks can sweep tilings.
 """
@@ -28,16 +27,11 @@ Both take a `config` override (a `KernelConfig`) so benchmarks can sweep tilings
 from __future__ import annotations
 
 import functools
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention_kernel import AttentionSpec, KernelConfig, paged_attention_call
 from pallas_kernels.common import cdiv, combine_splits, next_pow2
-from pallas_kernels.mosaic_decode import default_mosaic_config, mosaic_decode_attention
-
-NUM_SMS = 132  # H200
 MIN_SPLIT_KEYS = 512  # a flash-decoding split covers at least this many keys...
 SHORT_SPLIT_KEYS = 128  # ...or, for a batch with fewer (sequence, KV head) pairs than SMs, this many
 
@@ -75,32 +69,23 @@ def ragged_paged_attention_decode(
     *,
     sm_scale: float,
     queries_per_seq: int = 1,
+    num_sms: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool = False,
     config: KernelConfig | None = None,
-    impl: Literal["triton", "mosaic"] = "triton",
 ) -> jax.Array:
     """The decode specialisation: every sequence has at most `queries_per_seq` query tokens.
 
-    Same arguments and result as `ragged_paged_attention`. With `impl="triton"` (default) any
-    batch is handled correctly (a sequence with more query tokens than `block_q` only gets a worse
-    tiling). `impl="mosaic"` runs the experimental Mosaic GPU kernel (`mosaic_decode.py`), which
-    needs a uniform batch: sequence s < num_seqs owns exactly tokens [s * qps, (s + 1) * qps).
+    Same arguments and result as `ragged_paged_attention`; any batch is handled correctly (a
+    sequence with more query tokens than `block_q` only gets a worse tiling). `num_sms`: the GPU's
+    streaming multiprocessors, which the default tiling fills with KV splits.
     """
     spec = _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap)
     cfg = config or decode_config(
         q.dtype, q.shape[2], spec.padded_group, queries_per_seq=queries_per_seq,
         num_tokens=q.shape[0], num_kv_heads=k_cache.shape[2],
-        max_context=block_tables.shape[1] * k_cache.shape[1])
-    if impl == "mosaic":
-        return mosaic_decode_attention(
-            q, k_cache, v_cache, seq_lens, block_tables, num_seqs, sm_scale=spec.sm_scale,
-            queries_per_seq=queries_per_seq, sliding_window=sliding_window, soft_cap=spec.soft_cap,
-            cfg=default_mosaic_config(cfg.num_splits, cfg.min_split_blocks * cfg.block_k),
-            interpret=interpret)
-    if impl != "triton":
-        raise ValueError(f"unknown impl {impl!r}")
+        max_context=block_tables.shape[1] * k_cache.shape[1], num_sms=num_sms)
     return _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
                       spec=spec, cfg=cfg, interpret=interpret)
 
@@ -115,7 +100,7 @@ def prefill_config(dtype, head_dim: int, padded_group: int) -> KernelConfig:
 
 
 def decode_config(dtype, head_dim: int, padded_group: int, *, queries_per_seq: int, num_tokens: int,
-                  num_kv_heads: int, max_context: int) -> KernelConfig:
+                  num_kv_heads: int, max_context: int, num_sms: int) -> KernelConfig:
     """Tiling for decode: 16+ rows (the smallest dot), 64 keys, splits to reach ~16 programs/SM.
 
     Splits cover >= 512 keys, except in a batch too small to give every SM a program: that is
@@ -126,8 +111,8 @@ def decode_config(dtype, head_dim: int, padded_group: int, *, queries_per_seq: i
     block_q = max(next_pow2(queries_per_seq), 16 // padded_group, 1)
     block_k = 32 if big else 64
     num_seqs_max = cdiv(num_tokens, queries_per_seq)
-    wanted = next_pow2(cdiv(16 * NUM_SMS, num_seqs_max * num_kv_heads))
-    split_keys = SHORT_SPLIT_KEYS if num_seqs_max * num_kv_heads < NUM_SMS else MIN_SPLIT_KEYS
+    wanted = next_pow2(cdiv(16 * num_sms, num_seqs_max * num_kv_heads))
+    split_keys = SHORT_SPLIT_KEYS if num_seqs_max * num_kv_heads < num_sms else MIN_SPLIT_KEYS
     num_splits = max(1, min(wanted, max_context // split_keys, max(4, max_context // MIN_SPLIT_KEYS)))
     return KernelConfig(block_q=block_q, block_k=block_k, num_splits=num_splits,
                         min_split_blocks=max(1, split_keys // block_k),

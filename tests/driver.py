@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxrunner import CachedRequestData, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
 from jaxrunner.attention import AttentionMetadata, paged_attend
+from jaxrunner.config import Kernels
 from jaxrunner.models.llama import compute_logits, forward
 from jaxrunner.state import init_state
 from jaxrunner.step import matmul_precision
@@ -109,7 +110,7 @@ def drive(
 @functools.partial(jax.jit, static_argnums=0)
 def chunk_logits(cfg, params, kv, ids, pos, md):
     with jax.default_matmul_precision(matmul_precision(params)):
-        hidden, kv = forward(params, cfg, ids, pos, kv, paged_attend(cfg, md))
+        hidden, kv = forward(params, cfg, ids, pos, kv, paged_attend(cfg, md, Kernels.choose("auto")))
         return compute_logits(params, cfg, hidden), kv
 
 

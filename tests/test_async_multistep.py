@@ -78,7 +78,7 @@ def test_decode_steps_respects_limits():
     assert decode_steps(8, 20, 4, dataclasses.replace(sp, max_tokens=None), 64) == 8
 
 
-def test_runner_multi_step_cuts_at_stop_and_checks_its_input():
+def test_runner_multi_step_returns_every_step_and_checks_its_input():
     cfg, params = default_model()
     runner = Runner(cfg, params, RunnerConfig(max_num_seqs=2, max_model_len=64, block_size=4, num_blocks=32))
     state = runner.init_state()
@@ -102,13 +102,13 @@ def test_runner_multi_step_cuts_at_stop_and_checks_its_input():
         tokens += o.sampled_token_ids[0]
     assert out.sampled_token_ids[0] + multi.sampled_token_ids[0] == tokens
 
-    stop = tokens[3]  # the third token of the multi-step call: the call returns up to it
+    stop = tokens[3]  # the third token of the multi-step call: stops are the scheduler's to apply
     runner2 = Runner(cfg, params, runner.config)
     s3, _ = runner2.step(runner2.init_state(), SchedulerOutput(
         [dataclasses.replace(new, sampling_params=dataclasses.replace(greedy, stop_token_ids=[stop]))],
         num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3))
-    s3, cut = runner2.step(s3, decode)
-    assert cut.sampled_token_ids[0] == tokens[1 : tokens.index(stop, 1) + 1]
+    s3, uncut = runner2.step(s3, decode)
+    assert uncut.sampled_token_ids[0] == tokens[1:]
 
     fresh = Runner(cfg, params, runner.config)
     s4, _ = fresh.step(fresh.init_state(), SchedulerOutput([new], num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3))

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoConfig
 
 from jaxrunner.bench.latency import hf_config
-from jaxrunner.bench.shapes import SHAPES
+from jaxrunner.models.shapes import SHAPES
 from jaxrunner.cli import main
 from jaxrunner.config import ModelConfig
 

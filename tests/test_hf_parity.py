@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -67,3 +68,13 @@ def test_seeded_sampling_is_batch_independent(model):
     assert mixed[1] == alone
     reseeded = drive(runner, [prompts[2]], 16, params=[SamplingParams(temperature=0.8, seed=4321)])[0]
     assert reseeded != alone, "a different seed should give different tokens"
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_greedy_generation_with_the_pallas_kernels_matches_hf(name):
+    """The runner with the Pallas attention, KV write and decode kernels, interpreted on the CPU."""
+    cfg, params = load_model(DATA / "models" / name, "float32")
+    runner = Runner(cfg, params, dataclasses.replace(CONFIG, kernels="pallas"))
+    prompts, _, greedy = goldens(name)
+    assert drive(runner, prompts, 32, chunk=7, stagger=3) == greedy
+    assert runner.kernels.pallas and any(key[0] == "forward" and key[2] for key in runner.programs.asked)

@@ -22,11 +22,17 @@ from pallas_kernels import (
     reference_ragged_paged_attention,
     write_kv,
 )
+from jaxrunner import platform
 from pallas_kernels.testing import make_batch
 
 pytestmark = pytest.mark.gpu
 
-ENTRIES = {"ragged": ragged_paged_attention, "decode": ragged_paged_attention_decode}
+
+def decode(*args, **kwargs):
+    return ragged_paged_attention_decode(*args, num_sms=platform.num_sms(), **kwargs)
+
+
+ENTRIES = {"ragged": ragged_paged_attention, "decode": decode}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -86,26 +92,8 @@ def test_uniform_decode_long_context(dtype, queries_per_seq):
                        max_blocks=512, q_lens=[queries_per_seq] * num_live, ctx_lens=ctx)
     static = dict(sm_scale=1 / math.sqrt(128))
     want = reference_ragged_paged_attention(*batch.args, **static)
-    out = jax.jit(functools.partial(ragged_paged_attention_decode, queries_per_seq=queries_per_seq,
-                                    **static))(*batch.args)
+    out = jax.jit(functools.partial(decode, queries_per_seq=queries_per_seq, **static))(*batch.args)
     _check(batch, out, want, dtype)
-
-
-@pytest.mark.parametrize("queries_per_seq,window,cap", [(1, None, None), (4, 1000, 30.0)])
-def test_mosaic_decode(queries_per_seq, window, cap):
-    """The experimental Mosaic GPU decode kernel on uniform decode batches (bf16, Llama-3-8B heads,
-    contexts up to 8k so the KV splits). The cache poison is finite: the kernel requires it."""
-    rng = np.random.default_rng(11 + queries_per_seq)
-    num_live = 12
-    ctx = [int(c) for c in rng.integers(queries_per_seq, 8192, num_live)]
-    batch = make_batch(int(rng.integers(1 << 30)), dtype=jnp.bfloat16, head_dim=128, block_size=16,
-                       num_kv_heads=8, group=4, num_slots=16, num_tokens=16 * queries_per_seq,
-                       max_blocks=512, q_lens=[queries_per_seq] * num_live, ctx_lens=ctx, poison=1e30)
-    static = dict(sm_scale=1 / math.sqrt(128), sliding_window=window, soft_cap=cap)
-    want = reference_ragged_paged_attention(*batch.args, **static)
-    out = jax.jit(functools.partial(ragged_paged_attention_decode, queries_per_seq=queries_per_seq,
-                                    impl="mosaic", **static))(*batch.args)
-    _check(batch, out, want, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])

@@ -109,8 +109,7 @@ def test_non_final_prefill_chunk_samples_nothing(params):
 def test_compiled_step_does_not_copy_the_kv_cache(params):
     config = replace(CONFIG, num_blocks=4096)
     runner = Runner(MODEL, params, config)
-    state = runner.init_state()
-    stats = runner.compile_forward(state, config.max_num_batched_tokens).memory_analysis()
+    stats = runner.compile_forward(config.max_num_batched_tokens).memory_analysis()
     cache = kv_cache_bytes(MODEL, config)
     assert stats.alias_size_in_bytes >= cache, "the KV cache must be updated in place (donated and aliased)"
     assert stats.temp_size_in_bytes < cache / 10, f"temp {stats.temp_size_in_bytes} B vs cache {cache} B: a copy?"

@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrunner.config import Kernels, SamplerConfig
 from jaxrunner.sampling import (
-    LogprobsArrays,
     PromptLogprobsBuffer,
-    SamplerConfig,
     SamplerFlags,
     build_sampling_metadata,
     compute_logprobs,
@@ -28,12 +27,51 @@ from jaxrunner.sampling import (
     sample,
 )
 from jaxrunner.sampling.logprobs import top_ids
-from jaxrunner.sampling.tally_kernel import NUM_CANDIDATES, ordered_keys, padded_vocab, tally_kernel, tally_reference
 from jaxrunner.sampling.truncation import top_k_top_p
 from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.step_io import LogprobsArrays
+from pallas_kernels.sampler_tally import NUM_CANDIDATES, ordered_keys, padded_vocab, tally_kernel, tally_reference
 
-sample_jit = jax.jit(sample, static_argnums=2)
-process_jit = jax.jit(process_logits, static_argnums=2)
+REFERENCE = Kernels(pallas=False, interpret=True, num_sms=132)
+PALLAS = Kernels(pallas=True, interpret=True, num_sms=132)  # interpreted: runs on the CPU
+sample_jit = jax.jit(lambda logits, md, flags, history: sample(logits, md, flags, history, REFERENCE), static_argnums=2)
+process_jit = jax.jit(lambda logits, md, flags, history: process_logits(logits, md, flags, history, REFERENCE),
+                      static_argnums=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Sampler settings with the model facts they serve: the vocabulary and the EOS ids."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    config: SamplerConfig
+
+    def __getattr__(self, name: str):
+        return getattr(self.config, name)
+
+    def replace(self, **settings) -> Spec:
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, **settings))
+
+
+def spec(vocab_size: int, eos_token_ids: tuple[int, ...] = (), **settings) -> Spec:
+    return Spec(vocab_size, eos_token_ids, SamplerConfig(**settings))
+
+
+def prepare(params: SamplingParams, seed: int, prompt_len: int, s: Spec):
+    return prepare_request(params, seed, prompt_len, s.config, s.vocab_size, s.eos_token_ids)
+
+
+def covering(s: Spec):
+    return flag_variants(s.config, s.vocab_size)
+
+
+def neutral(num_rows: int, s: Spec, flags: SamplerFlags):
+    return neutral_metadata(num_rows, s.config, s.vocab_size, flags)
+
+
+def metadata(requests, positions, num_rows: int, s: Spec, flag_options=()):
+    return build_sampling_metadata(requests, positions, num_rows, s.config, s.vocab_size, flag_options)
 
 
 # ---------------------------------------------------------------- numpy reference (vLLM semantics)
@@ -112,8 +150,8 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 def batch(params_list, positions, config, prompt_lens=None, seeds=None, num_rows=None, variants=()):
     prompt_lens = prompt_lens or [0] * len(params_list)
     seeds = seeds or list(range(len(params_list)))
-    requests = [prepare_request(p, s, n, config) for p, s, n in zip(params_list, seeds, prompt_lens)]
-    return build_sampling_metadata(requests, positions, num_rows or len(requests), config, variants)
+    requests = [prepare(p, s, n, config) for p, s, n in zip(params_list, seeds, prompt_lens)]
+    return metadata(requests, positions, num_rows or len(requests), config, variants)
 
 
 def repeat_row(md, n: int):
@@ -143,7 +181,7 @@ STAT_CASES = {
         temperature=0.9, allowed_token_ids=[1, 4, 9, 16, 25, 30, 31], logit_bias={4: 1.5, 30: -0.5}, top_p=0.95
     ),
 }
-STAT_CONFIG = SamplerConfig(vocab_size=VOCAB, max_logit_bias=4, max_allowed_token_ids=8)
+STAT_CONFIG = spec(VOCAB, max_logit_bias=4, max_allowed_token_ids=8)
 STAT_FLAGS = SamplerFlags(top_k_top_p=True, min_p=True, logit_bias=True, allowed_token_ids=True, count_nans=True)
 
 
@@ -187,8 +225,7 @@ def test_chi_square_rejects_wrong_distributions(stat_counts):
 # ---------------------------------------------------------------- logits processing against the reference
 
 MIXED_VOCAB = 64
-MIXED_CONFIG = SamplerConfig(
-    vocab_size=MIXED_VOCAB, eos_token_ids=(63,), max_logit_bias=4, max_allowed_token_ids=16, max_stop_token_ids=4,
+MIXED_CONFIG = spec(MIXED_VOCAB, (63,), max_logit_bias=4, max_allowed_token_ids=16, max_stop_token_ids=4,
     max_bad_words=4, max_bad_word_len=3,
 )
 PROMPT = [5, 9, 9, 12, 40, 3]
@@ -230,9 +267,9 @@ def reference_rows(logits):
 
 @pytest.mark.parametrize("promoted", [False, True])
 def test_processed_logits_match_the_reference(promoted):
-    logits, md, flags, history = mixed_inputs(np.random.default_rng(1), flag_variants(MIXED_CONFIG) if promoted else ())
+    logits, md, flags, history = mixed_inputs(np.random.default_rng(1), covering(MIXED_CONFIG) if promoted else ())
     if promoted:
-        assert flags == flag_variants(MIXED_CONFIG)[-2]
+        assert flags == covering(MIXED_CONFIG)[-2]
     got = np.asarray(process_jit(logits, md, flags, history))
     for i, want in enumerate(reference_rows(logits)):
         np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6, err_msg=f"row {i}: {MIXED[i][0]}")
@@ -288,7 +325,7 @@ def test_compute_logprobs_matches_log_softmax_and_ranks():
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
 def test_sampled_logprobs_follow_the_mode(mode):
-    config = dataclasses.replace(MIXED_CONFIG, logprobs_mode=mode, max_logprobs=4)
+    config = MIXED_CONFIG.replace(logprobs_mode=mode, max_logprobs=4)
     params = [dataclasses.replace(p, logprobs=2) for p, _ in MIXED]
     md, flags = batch(params, [pos for _, pos in MIXED], config, prompt_lens=[len(PROMPT)] * len(MIXED), num_rows=16)
     assert flags.num_logprobs == 4 and flags.logprobs_mode == mode
@@ -315,7 +352,7 @@ def test_no_logprobs_means_empty_columns():
 def test_a_seeded_request_samples_the_same_tokens_in_any_batch():
     """Same seed and position: same token, whatever the other rows, the bucket or the graph variant."""
     vocab = 300
-    config = SamplerConfig(vocab_size=vocab, max_logit_bias=4, max_allowed_token_ids=4, max_stop_token_ids=4,
+    config = spec(vocab, max_logit_bias=4, max_allowed_token_ids=4, max_stop_token_ids=4,
                            max_bad_words=2, max_bad_word_len=2)
     mine = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, seed=2**63 + 12345)
     others = [
@@ -327,8 +364,8 @@ def test_a_seeded_request_samples_the_same_tokens_in_any_batch():
     mixes = [  # (rows before mine, rows after, bucket, variants)
         ([], [], 1, ()),
         (others[:1], others[1:], 8, ()),
-        (others[2:], [], 4, flag_variants(config)),
-        (others, others, 16, flag_variants(config)),
+        (others[2:], [], 4, covering(config)),
+        (others, others, 16, covering(config)),
     ]
     tokens = np.zeros((len(mixes), 24), np.int32)
     for step, position in enumerate(range(20, 44)):
@@ -347,7 +384,7 @@ def test_a_seeded_request_samples_the_same_tokens_in_any_batch():
 
 
 def test_seeds_and_positions_change_the_noise():
-    config = SamplerConfig(vocab_size=1000)
+    config = spec(1000)
     logits = np.zeros((4, 1000), np.float32)
     md, flags = batch([SamplingParams()] * 4, [5, 6, 5, 5], config, seeds=[1, 1, 2, 2**32 + 1])
     tokens = np.asarray(sample_jit(logits, md, flags, no_history(4)).tokens)
@@ -417,7 +454,7 @@ def test_prompt_logprobs_buffer_forgets_a_preempted_prompt():
 
 
 def test_flags_follow_the_rows_and_variants_cover_them():
-    config = SamplerConfig(vocab_size=100)
+    config = spec(100)
     md, flags = batch([SamplingParams(), SamplingParams(temperature=0)], [3, 3], config, num_rows=4)
     assert flags == SamplerFlags(count_nans=True)
     assert md.bias_token_ids.shape == (4, 0) and md.bad_words.shape == (4, 0, 0)
@@ -431,7 +468,7 @@ def test_flags_follow_the_rows_and_variants_cover_them():
     assert flags.min_tokens
     _, flags = batch([SamplingParams(min_tokens=2)], [4], config, prompt_lens=[2])
     assert not flags.min_tokens  # two tokens generated: nothing to ban any more
-    variants = flag_variants(config)
+    variants = covering(config)
     assert len(variants) == 6 and all(variants[-2].covers(v) for v in variants if v.num_logprobs == -1)
     md, flags = batch([SamplingParams(top_k=3, logprobs=1)], [3], config, variants=variants)
     assert flags == variants[3] and md.bias_token_ids.shape == (1, 0)
@@ -440,32 +477,32 @@ def test_flags_follow_the_rows_and_variants_cover_them():
 
 
 def test_prepare_request_packs_and_checks_limits():
-    config = SamplerConfig(vocab_size=50, eos_token_ids=(49,), max_logit_bias=2, max_bad_word_len=3)
-    packed = prepare_request(
+    config = spec(50, (49,), max_logit_bias=2, max_bad_word_len=3)
+    packed = prepare(
         SamplingParams(top_k=80, min_tokens=1, stop_token_ids=[3], bad_words_token_ids=[[1, 2], [4]], logprobs=-1),
-        2**64 - 1, 5, dataclasses.replace(config, max_logprobs=-1),
+        2**64 - 1, 5, config.replace(max_logprobs=-1),
     )
     assert packed.top_k == 50 and packed.min_len == 6 and packed.num_logprobs == 50
     assert packed.stop_token_ids.tolist() == [3, 49]
     assert packed.bad_words.tolist() == [[-1, 1, 2], [-1, -1, 4]]
-    md, _ = build_sampling_metadata([packed], [5], 2, config)
+    md, _ = metadata([packed], [5], 2, config)
     assert md.seeds.tolist() == [[2**32 - 1, 2**32 - 1], [0, 0]]
     with pytest.raises(ValueError, match="logit_bias entries"):
-        prepare_request(SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0}), 0, 1, config)
+        prepare(SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0}), 0, 1, config)
     with pytest.raises(ValueError, match="tokens in one bad word"):
-        prepare_request(SamplingParams(bad_words_token_ids=[[1, 2, 3, 4]]), 0, 1, config)
+        prepare(SamplingParams(bad_words_token_ids=[[1, 2, 3, 4]]), 0, 1, config)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        prepare_request(SamplingParams(allowed_token_ids=[50]), 0, 1, config)
+        prepare(SamplingParams(allowed_token_ids=[50]), 0, 1, config)
     with pytest.raises(ValueError, match="maximum"):
-        prepare_request(SamplingParams(logprobs=21), 0, 1, config)
+        prepare(SamplingParams(logprobs=21), 0, 1, config)
 
 
 def test_neutral_metadata_matches_the_flags():
-    config = SamplerConfig(vocab_size=10, max_logit_bias=2, max_allowed_token_ids=2, max_stop_token_ids=2,
+    config = spec(10, max_logit_bias=2, max_allowed_token_ids=2, max_stop_token_ids=2,
                            max_bad_words=3, max_bad_word_len=2)
-    md = neutral_metadata(4, config, flag_variants(config)[-1])
+    md = neutral(4, config, covering(config)[-1])
     assert md.allowed_token_ids.shape == (4, config.max_allowed_token_ids) and md.bad_words.shape == (4, 3, 2)
-    tokens = sample_jit(np.zeros((4, 10), np.float32), md, flag_variants(config)[-1], np.zeros((4, 3), np.int32))
+    tokens = sample_jit(np.zeros((4, 10), np.float32), md, covering(config)[-1], np.zeros((4, 3), np.int32))
     assert tokens.tokens.tolist() == [0, 0, 0, 0]
 
 
@@ -516,7 +553,7 @@ def test_truncation_with_the_kernel_matches_the_reference():
     x = rng.normal(0.0, 2.0, (4, 500)).astype(np.float32)
     top_k = np.array([500, 7, 60, 1], np.int32)
     top_p = np.array([0.9, 1.0, 0.7, 0.5], np.float32)
-    got = np.asarray(jax.jit(top_k_top_p, static_argnums=3)(x, top_k, top_p, True))
+    got = np.asarray(jax.jit(top_k_top_p, static_argnums=3)(x, top_k, top_p, PALLAS))
     for i in range(4):
         params = SamplingParams(temperature=1.0, top_k=int(top_k[i]), top_p=float(top_p[i]))
         want = reference_logits(x[i], params, np.zeros(0, np.int64), 0, 0)
@@ -530,7 +567,7 @@ def test_truncation_on_gpu_at_full_size():
     x[np.arange(64)[:, None], rng.integers(0, 128256, (64, 8))] += rng.uniform(4, 12, (64, 8))
     top_k = rng.choice([128256, 20, 50, 1000], 64).astype(np.int32)
     top_p = rng.choice([1.0, 0.8, 0.95], 64).astype(np.float32)
-    got = np.asarray(jax.jit(top_k_top_p, static_argnums=3)(x, top_k, top_p, True))
+    got = np.asarray(jax.jit(top_k_top_p, static_argnums=3)(x, top_k, top_p, PALLAS))
     for i in range(64):
         params = SamplingParams(top_k=int(top_k[i]) if top_k[i] < 128256 else -1, top_p=float(top_p[i]))
         np.testing.assert_array_equal(got[i], reference_logits(x[i], params, np.zeros(0, np.int64), 0, 0))

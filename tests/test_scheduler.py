@@ -142,7 +142,7 @@ def test_preempted_ids_reach_the_runner():
 )
 def test_check_stop(outputs, params, max_tokens, expected):
     sp = SamplingParams(**params)
-    request = Request("r", [1, 1], sp, max_tokens=max_tokens, eos_token_id=None if sp.ignore_eos else 2)
+    request = Request("r", [1, 1], sp, max_tokens=max_tokens, eos_token_ids=frozenset() if sp.ignore_eos else frozenset({2}))
     request.output_token_ids = outputs
     status = request.check_stop(max_model_len=64)
     assert (None if status is None else (status.finish_reason, request.stop_reason)) == expected
@@ -157,7 +157,7 @@ def test_finish_reasons_through_the_scheduler():
     scheduler, runner = make()
     eos_prompt = [3, 1, 4]
     eos = reference_output(eos_prompt, 3, 64, None)[2]  # the toy model's third token becomes "EOS"
-    a = Request("a", eos_prompt, SamplingParams(), max_tokens=10, eos_token_id=eos)
+    a = Request("a", eos_prompt, SamplingParams(), max_tokens=10, eos_token_ids=frozenset({eos}))
     b = req("b", 5, max_tokens=4)
     run_all(scheduler, runner, {0: [a, b]})
     assert a.status.finish_reason == "stop" and a.output_token_ids[-1] == eos and len(a.output_token_ids) <= 3
@@ -254,12 +254,13 @@ def test_random_workloads_respect_budgets_and_finish_correctly(async_scheduling,
     arrivals: dict[int, list[Request]] = {}
     for i, (arrival, prefix, suffix, max_tokens, eos) in enumerate(specs):
         prompt = (prefixes[prefix] + suffix)[: config["max_model_len"] - 1] or [0]
-        request = Request(f"r{i}", prompt, SamplingParams(), max_tokens=max_tokens, eos_token_id=eos)
+        eos_ids = frozenset() if eos is None else frozenset({eos})
+        request = Request(f"r{i}", prompt, SamplingParams(), max_tokens=max_tokens, eos_token_ids=eos_ids)
         arrivals.setdefault(arrival, []).append(request)
     run_all(scheduler, runner, arrivals, async_scheduling=async_scheduling)
     for request in (r for rs in arrivals.values() for r in rs):
         assert request.is_finished
         expected = reference_output(
-            request.prompt_token_ids, request.max_tokens, config["max_model_len"], request.eos_token_id
+            request.prompt_token_ids, request.max_tokens, config["max_model_len"], next(iter(request.eos_token_ids), None)
         )
         assert request.output_token_ids == expected

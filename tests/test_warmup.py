@@ -11,53 +11,57 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 from driver import drive
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
-from jaxrunner.bench.shapes import shape
-from jaxrunner.input_batch import RequestTable, build_inputs
+from jaxrunner import programs as programs_table
 from jaxrunner.loader import load_model
 from jaxrunner.models.llama import init_params
+from jaxrunner.models.shapes import shape
 from jaxrunner.program_cache import ProgramCache
 from jaxrunner.programs import Programs
-from jaxrunner.step import forward_step
 
 MODEL = Path(__file__).parent / "data" / "models" / "tiny-qwen2"
-DECODE_FORMS = int(jax.default_backend() == "gpu")  # on GPU, the 16-token bucket's decode-kernel backbone
+KINDS = {kind.name for kind in programs_table.KINDS}
+MIXED = [
+    SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1),
+    SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1),
+    SamplingParams(temperature=1.0, repetition_penalty=1.2, min_tokens=3, stop_token_ids=[7], seed=2),
+    SamplingParams(temperature=0.7, min_p=0.1, logit_bias={9: 2.0}, seed=3),
+]
 
 
-def test_varied_workload_after_warmup_compiles_nothing():
+@pytest.mark.parametrize("kernels, decode_forms", [("reference", 0), ("pallas", 1)])
+def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_forms):
+    """Through the engine: chunked prefill, preemption, prompt logprobs, every sampler variant,
+    multi-step decode in one call (plain sampling) and round by round (the others); with the
+    Pallas kernels (interpreted here) the decode form of the backbone too."""
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8, num_gpu_blocks_override=16,
+              num_scheduler_steps=4, enforce_eager=False, kernels=kernels)
+    programs = llm.llm_engine.runner.programs
+    # 2 token buckets x (backbone + prompt logprobs) + the decode forms (the 16-token bucket holds a
+    # decode batch); 3 request buckets x (block write + 6 sampler variants + 2 decode loops)
+    assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + 3 * (1 + 6 + 2)
+    prompts = ["Hello there, how are", "A longer prompt that needs a second chunk of tokens", "x", "Once upon a time"]
+    outs = llm.generate(prompts, [dataclasses.replace(p, max_tokens=14) for p in MIXED], use_tqdm=False)
+    plain = llm.generate(prompts[:2], SamplingParams(temperature=0.9, seed=5, max_tokens=14, logprobs=1), use_tqdm=False)
+    assert all(o.finished and o.error is None for o in outs + plain) and llm.llm_engine.scheduler.num_preemptions > 0
+    assert programs.asked <= programs.warm and programs.compiled_on_use == 0
+    assert {key[0] for key in programs.asked} == KINDS
+    assert any(key[0] == "forward" and key[2] for key in programs.asked) == bool(decode_forms)
+
+
+def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     cfg, params = load_model(MODEL, "float32")
     config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_blocks=64)
     runner = Runner(cfg, params, config)
-    report = runner.warmup(runner.init_state())
+    report = runner.warmup()
     # 3 token buckets x (backbone + prompt logprobs), 3 request buckets x (block write + 6 sampler variants)
-    assert report["programs"] == 3 * 2 + DECODE_FORMS + 3 * 7 and report["kv_cache_tokens"] == 512
-    compiled = runner.programs.compiled_on_use
-
+    assert report["programs"] == 3 * 2 + 3 * 7 and report["kv_cache_tokens"] == 512
     prompts = [list(range(3, 3 + n)) for n in (5, 30, 61, 12)]
-    mixed = [
-        SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1),
-        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1),
-        SamplingParams(temperature=1.0, repetition_penalty=1.2, min_tokens=3, stop_token_ids=[7], seed=2),
-        SamplingParams(temperature=0.7, min_p=0.1, logit_bias={9: 2.0}, bad_words=None, seed=3),
-    ]
-    drive(runner, prompts, 12, params=mixed, chunk=13, stagger=2, preempt={6: [1], 9: [2, 3]})
+    drive(runner, prompts, 12, params=MIXED, chunk=13, stagger=2, preempt={6: [1], 9: [2, 3]})
     drive(runner, prompts[:2], 6)
-    assert runner.programs.compiled_on_use == compiled
-
-
-def test_engine_warms_up_multi_step_decode_and_then_compiles_nothing():
-    llm = LLM(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, enforce_eager=False, num_scheduler_steps=4)
-    runner = llm.llm_engine.runner
-    assert llm.llm_engine.startup["programs"] == 2 * 2 + DECODE_FORMS + 2 * (1 + 6 + 2)  # + multi-step decode: plain, with logprobs
-    compiled = runner.programs.compiled_on_use
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=9, logprobs=1),
-        SamplingParams(temperature=0.9, top_p=0.8, max_tokens=7, seed=4, presence_penalty=0.3),
-    ]
-    outs = llm.generate(["Hello there, how are", "A longer prompt that needs a second chunk of tokens"], params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [9, 7]
-    assert runner.programs.compiled_on_use == compiled
+    assert runner.programs.asked <= runner.programs.warm and runner.programs.compiled_on_use == 0
 
 
 def test_a_step_lowers_its_layer_once_for_all_layers():
@@ -65,9 +69,9 @@ def test_a_step_lowers_its_layer_once_for_all_layers():
     model = dataclasses.replace(shape("tiny"), num_layers=4)
     config = RunnerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_blocks=64)
     runner = Runner(model, init_params(model, jax.random.key(0)), config)
-    tokens = build_inputs(RequestTable.empty(config.max_num_seqs), [], {}, config, runner.sampler_config, 16, 1)[0]
-    step = jax.jit(forward_step, static_argnames=("model", "uniform_decode"))
-    text = step.lower(runner.params, runner.init_state(), tokens, model=model, uniform_decode=False).as_text()
+    program = runner.programs.program(programs_table.FORWARD, runner.params, runner.init_state(), runner.ctx.tokens(16),
+                                      uniform_decode=False)
+    text = program.kind.jitted.lower(*program.args, **program.statics).as_text()
     assert len(re.findall(r"func\.func private @decoder_layer\b", text)) == 1
     assert len(re.findall(r"call @decoder_layer\b", text)) == 4
 
@@ -75,21 +79,21 @@ def test_a_step_lowers_its_layer_once_for_all_layers():
 def _runner_and_programs() -> tuple[Runner, list]:
     cfg, params = load_model(MODEL, "float32")
     runner = Runner(cfg, params, RunnerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48, block_size=8, num_blocks=16))
-    return runner, runner.warmup_programs(runner.init_state())
+    return runner, runner.programs.warmup_programs()
 
 
 def test_program_cache_loads_every_program_without_lowering_and_runs_the_same(tmp_path):
     runner, programs = _runner_and_programs()
-    stored = Programs(ProgramCache(tmp_path))
+    stored = Programs(runner.ctx, ProgramCache(tmp_path))
     stored.compile_all(programs)
     assert len(list(tmp_path.glob("*.jaxexe"))) == len(programs) and stored.loaded == 0
 
     prompts = [list(range(3, 3 + n)) for n in (5, 19)]
     params = [SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1), SamplingParams(temperature=0.8, top_k=5, seed=1)]
     runs = []
-    for fresh in (Programs(ProgramCache(tmp_path)), Programs()):
+    for fresh in (Programs(runner.ctx, ProgramCache(tmp_path)), Programs(runner.ctx)):
         runner.programs = fresh
-        report = runner.warmup(runner.init_state())
+        report = runner.warmup()
         assert report["compiled"] == len(programs)
         runs.append((report["loaded_from_cache"], report["lowering_seconds"] > 0, drive(runner, prompts, 6, params=params, chunk=7)))
         assert fresh.compiled_on_use == 0
@@ -102,21 +106,22 @@ def test_program_cache_keys_are_the_same_in_another_process(tmp_path):
     script = (
         "import json, sys; sys.path[:0] = %r; from test_warmup import _runner_and_programs; "
         "from jaxrunner.program_cache import ProgramCache; cache = ProgramCache('unused'); runner, programs = _runner_and_programs(); "
-        "print(json.dumps([cache.key(p.fn, p.key, p.args, p.statics) for p in programs]))"
+        "print(json.dumps([cache.key(p.kind.jitted, p.key, p.args, p.statics) for p in programs]))"
     ) % [str(Path(__file__).parent), str(Path(__file__).parents[1])]
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "7"})
     cache = ProgramCache(tmp_path)
     _, programs = _runner_and_programs()
-    keys = [cache.key(p.fn, p.key, p.args, p.statics) for p in programs]
+    keys = [cache.key(p.kind.jitted, p.key, p.args, p.statics) for p in programs]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == keys and len(set(keys)) == len(keys)
 
 
 def test_a_cached_program_that_does_not_load_is_compiled_again_and_rewritten(tmp_path, caplog):
-    program = _runner_and_programs()[1][-1]
-    Programs(ProgramCache(tmp_path)).compile_all([program])
+    runner, programs = _runner_and_programs()
+    program = programs[-1]
+    Programs(runner.ctx, ProgramCache(tmp_path)).compile_all([program])
     [path] = tmp_path.glob("*.jaxexe")
     path.write_bytes(path.read_bytes()[:100])
-    runs = [Programs(ProgramCache(tmp_path)) for _ in range(2)]
+    runs = [Programs(runner.ctx, ProgramCache(tmp_path)) for _ in range(2)]
     for programs in runs:
         programs.compile_all([program])
     assert [p.loaded for p in runs] == [0, 1] and "cannot load the cached program" in caplog.text

@@ -14,7 +14,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxrunner.bench import hf_peer
-from jaxrunner.bench.shapes import COPY_BANDWIDTH, shape, weight_bytes_per_step
+from jaxrunner.bench.floors import COPY_BANDWIDTH, weight_bytes_per_step
+from jaxrunner.models.shapes import shape
 from jaxrunner.config import ModelConfig
 from jaxrunner.engine.engine import LLMEngine
 from jaxrunner.engine.llm import LLM

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxrunner.bench import hf_peer
 from jaxrunner.bench.latency import hf_config
-from jaxrunner.bench.shapes import shape
+from jaxrunner.models.shapes import shape
 from jaxrunner.engine.llm import LLM
 from jaxrunner.sampling_params import SamplingParams
 

@@ -49,9 +49,9 @@ from jaxrunner.engine.outputs import CompletionOutput, EngineStats, Logprob, Req
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.runner import Runner
-from jaxrunner.sampling import LogprobsArrays
 from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.step_io import PendingOutput, RunnerOutput, SchedulerOutput
+from jaxrunner.pending_output import PendingOutput
+from jaxrunner.step_io import LogprobsArrays, RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -120,26 +120,26 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(args)
         dtype = resolve_dtype(args)
         start = time.perf_counter()
-        self.model_config, params = jax.block_until_ready(load_weights(args, checkpoint, dtype))
+        model_config, params = jax.block_until_ready(load_weights(args, checkpoint, dtype))
         loaded = time.perf_counter()
+        # The EOS ids, the tokenizer's first: the one set the scheduler stops on and min_tokens bans.
+        tokenizer_eos = () if self.tokenizer is None or self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
+        eos = tuple(dict.fromkeys((*tokenizer_eos, *model_config.eos_token_ids)))
+        self.model_config = dataclasses.replace(model_config, eos_token_ids=eos)
         self.config = runner_config(args, self.model_config, params, dtype)
         sized = time.perf_counter()
         self.runner = Runner(self.model_config, params, self.config)
         self.state = self.runner.init_state()
         self.startup: dict = {}  # the start-up report: seconds per phase, programs, KV cache size
         if warm_up(args):
-            report = self.runner.warmup(self.state, args.num_scheduler_steps)
+            report = self.runner.warmup()
             self.startup = report = {"load_seconds": round(loaded - start, 2), "kv_sizing_seconds": round(sized - loaded, 2), **report}
             logger.info("loaded in %.1f s, sized the KV cache in %.1f s, compiled %d programs in %.1f s (%.1f s lowering); "
                         "KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"], report["kv_sizing_seconds"],
                         report["compiled"], report["compile_seconds"], report["lowering_seconds"], report["kv_cache_blocks"],
                         report["kv_cache_tokens"], report["kv_cache_gib"])
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config(args, self.config), self.block_manager)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_id = self.tokenizer.eos_token_id
-        else:
-            self.eos_token_id = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+        self.scheduler = Scheduler(scheduler_config(self.config), self.block_manager)
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._ready: list[RequestOutput] = []  # outputs the next step() returns first
@@ -162,10 +162,6 @@ class LLMEngine:
         if params.bad_words and self.tokenizer is not None:
             params = params.with_bad_words_tokenized(self.tokenizer)
         self.runner.check_sampling_params(params, len(ids))
-        extra_eos = [t for t in self.model_config.eos_token_ids if t != self.eos_token_id]
-        if extra_eos and not params.ignore_eos:
-            stop_ids = list(dict.fromkeys([*(params.stop_token_ids or []), *extra_eos]))
-            params = dataclasses.replace(params, stop_token_ids=stop_ids)
         return ProcessedPrompt(text, ids, params, self._prompt_error(ids))
 
     def add_request(
@@ -203,7 +199,7 @@ class LLMEngine:
                 prompt_token_ids=inputs.prompt_token_ids,
                 sampling_params=child_params,
                 max_tokens=room if sp.max_tokens is None else sp.max_tokens,
-                eos_token_id=None if sp.ignore_eos else self.eos_token_id,
+                eos_token_ids=frozenset() if sp.ignore_eos else frozenset(self.model_config.eos_token_ids),
             )
             detok = (
                 None

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxrunner.bench.shapes import shape
+from jaxrunner import platform
 from jaxrunner.checks import check_bool, check_int, is_real
-from jaxrunner.config import ModelConfig, RunnerConfig
+from jaxrunner.config import KERNEL_CHOICES, ModelConfig, RunnerConfig, SamplerConfig
 from jaxrunner.engine.default_model import default_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.loader import Checkpoint, open_checkpoint
 from jaxrunner.models.llama import Params, init_params
+from jaxrunner.models.shapes import shape
 from jaxrunner.runner import Runner
 from jaxrunner.state import kv_cache_bytes
 
@@ -44,10 +45,11 @@ class EngineArgs:
     by default start-up compiles them on a GPU, with JAX's persistent cache in ~/.cache/jaxrunner,
     and skips it on a CPU. `load_format` "dummy": random weights in the model's shape, where `model`
     is a checkpoint directory (only its config.json is read) or a benchmark shape name
-    (`jaxrunner.bench.shapes.SHAPES`). `num_scheduler_steps`: decode steps per device call when a
+    (`jaxrunner.models.shapes.SHAPES`). `num_scheduler_steps`: decode steps per device call when a
     batch is all decodes (multi-step decode). `async_scheduling`: dispatch each step before the
     previous step's output reaches the host. `max_bad_word_len`: the most tokens a bad word may have
-    (the sampler's bad-word arrays are this wide)."""
+    (the sampler's bad-word arrays are this wide). `kernels`: "auto" (Pallas on a GPU, the jnp
+    references elsewhere), "pallas" (interpreted off a GPU) or "reference"."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -61,13 +63,14 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
-    max_logprobs: int = 20
-    logprobs_mode: str = "raw_logprobs"
+    max_logprobs: int = SamplerConfig.max_logprobs
+    logprobs_mode: str = SamplerConfig.logprobs_mode
     enforce_eager: bool | None = None
     load_format: str = "auto"
     num_scheduler_steps: int = 1
     async_scheduling: bool = True
-    max_bad_word_len: int = 8
+    max_bad_word_len: int = SamplerConfig.max_bad_word_len
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         where = "EngineArgs"
@@ -76,7 +79,7 @@ class EngineArgs:
         for name in ("block_size", "num_scheduler_steps", "max_bad_word_len"):
             check_int(where, name, getattr(self, name), 1)
         check_int(where, "seed", self.seed)
-        check_int(where, "max_logprobs", self.max_logprobs, -1)
+        check_int(where, "max_logprobs", self.max_logprobs)
         for name in ("skip_tokenizer_init", "enable_prefix_caching", "async_scheduling"):
             check_bool(where, name, getattr(self, name))
         if self.enforce_eager is not None:
@@ -89,6 +92,13 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (is_real(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        self.sampler_config()  # its own checks (logprobs settings), before anything loads
+
+    def sampler_config(self) -> SamplerConfig:
+        return SamplerConfig(max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
+                             max_bad_word_len=self.max_bad_word_len)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -100,15 +110,11 @@ class EngineArgs:
         return cls(**kwargs)
 
 
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
 def resolve_dtype(args: EngineArgs) -> str:
     """dtype "auto" is float32 on CPU; on GPU the checkpoint's dtype (bfloat16 if it names none or float32)."""
     if args.dtype != "auto":
         return args.dtype
-    if not on_gpu():
+    if not platform.on_gpu():
         return "float32"
     if args.model is not None and os.path.isdir(args.model):
         path = os.path.join(args.model, "config.json")
@@ -121,7 +127,7 @@ def resolve_dtype(args: EngineArgs) -> str:
 
 
 def runner_config(args: EngineArgs, model: ModelConfig, params: Params, dtype: str) -> RunnerConfig:
-    gpu = on_gpu()
+    gpu = platform.on_gpu()
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise ValueError(
@@ -136,9 +142,9 @@ def runner_config(args: EngineArgs, model: ModelConfig, params: Params, dtype: s
         num_blocks=1,
         dtype=dtype,
         seed=args.seed,
-        max_logprobs=args.max_logprobs,
-        logprobs_mode=args.logprobs_mode,
-        max_bad_word_len=args.max_bad_word_len,
+        num_scheduler_steps=args.num_scheduler_steps,
+        sampler=args.sampler_config(),
+        kernels=args.kernels,
         compilation_cache_dir="~/.cache/jaxrunner/xla" if gpu else None,
     )
     cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes))
@@ -151,12 +157,12 @@ def runner_config(args: EngineArgs, model: ModelConfig, params: Params, dtype: s
     return cfg
 
 
-def scheduler_config(args: EngineArgs, cfg: RunnerConfig) -> SchedulerConfig:
+def scheduler_config(cfg: RunnerConfig) -> SchedulerConfig:
     return SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len,
-        num_scheduler_steps=args.num_scheduler_steps,
+        num_scheduler_steps=cfg.num_scheduler_steps,
     )
 
 
@@ -164,7 +170,7 @@ def _num_blocks(args: EngineArgs, model: ModelConfig, params: Params, cfg: Runne
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (measured from its compiled executables)
     are set aside. On CPU: enough for every sequence at full length."""
-    stats = jax.devices()[0].memory_stats() if on_gpu() else None
+    stats = jax.devices()[0].memory_stats() if platform.on_gpu() else None
     if not stats:
         return cfg.max_num_seqs * cfg.max_blocks_per_req
     activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1)).peak_step_bytes()
@@ -205,4 +211,4 @@ def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) ->
 
 
 def warm_up(args: EngineArgs) -> bool:
-    return not args.enforce_eager if args.enforce_eager is not None else on_gpu()
+    return not args.enforce_eager if args.enforce_eager is not None else platform.on_gpu()

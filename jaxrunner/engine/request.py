@@ -33,13 +33,13 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """`max_tokens` is resolved (never None); `eos_token_id` is None when EOS must be ignored."""
+    """`max_tokens` is resolved (never None); `eos_token_ids` is empty when EOS must be ignored."""
 
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     max_tokens: int
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Prefix-cache hits at admission (vLLM's `num_cached_tokens`), from the first admission only.
@@ -81,11 +81,13 @@ class Request:
         return self.status.finished
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
-        """After a token is appended: the finished status it causes, if any (vLLM's order of checks)."""
+        """After a token is appended: the finished status it causes, if any (vLLM's order of checks).
+        This is the one place that ends a request on a token: EOS (stop_reason None), a stop token id
+        (stop_reason that id), max_tokens or the model length."""
         params = self.sampling_params
         if self.num_output_tokens >= params.min_tokens:
             last = self.output_token_ids[-1]
-            if last == self.eos_token_id:
+            if last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in (params.stop_token_ids or ()):
                 self.stop_reason = last

@@ -1,25 +1,23 @@
 """The sampler: vLLM model runner v2's sampling, as pure JAX functions plus host-side packing.
 
-Host side (numpy, `metadata.py`):
-- `SamplerConfig(vocab_size, max_logprobs=20, logprobs_mode="raw_logprobs", count_nans=True,
-  eos_token_ids=(), max_logit_bias=1024, max_allowed_token_ids=1024, max_stop_token_ids=128,
-  max_bad_words=128, max_bad_word_len=8)`: engine-wide, fixed for the runner's lifetime.
-- `prepare_request(params, seed, prompt_len, config) -> RequestSampling`, once per request when
-  it arrives (also after preemption); raises ValueError for what the model or limits rule out.
-  `seed` is params.seed or a 64-bit seed the runner drew.
-- `build_sampling_metadata(requests, positions, num_rows, config, variants=()) ->
+Host side (numpy, `metadata.py`), for a model of `vocab_size` tokens and the engine-wide
+`config.SamplerConfig`:
+- `prepare_request(params, seed, prompt_len, config, vocab_size, eos_token_ids) -> RequestSampling`,
+  once per request when it arrives (also after preemption); raises ValueError for what the model or
+  limits rule out. `seed` is params.seed or a 64-bit seed the runner drew.
+- `build_sampling_metadata(requests, positions, num_rows, config, vocab_size, variants=()) ->
   (SamplingMetadata, SamplerFlags)` every step, for the B = num_rows rows of a request bucket;
   positions[i] is the position of the token row i samples (= the tokens before it).
 - `SamplerFlags` (hashable, a static jit argument): penalties, top_k_top_p, min_p, logit_bias,
-  allowed_token_ids, bad_words, min_tokens, num_logprobs (-1: none, else config.logprobs_width),
+  allowed_token_ids, bad_words, min_tokens, num_logprobs (-1: none, else the logprobs width),
   logprobs_mode, count_nans. The flags fix every shape, so graphs = distinct flags x request
-  buckets. With `variants=flag_variants(config)` each batch is promoted to the first of 6
-  covering variants (plain, top-k/top-p/min-p, everything; each without and with logprobs):
-  6 x R graphs, all known in advance (`neutral_metadata(B, config, flags)` is the example input
-  for AOT compiles). Without `variants`, each combination met compiles (at most 2**8 x R).
+  buckets. With `variants=flag_variants(config, vocab_size)` each batch is promoted to the first
+  of 6 covering variants (plain, top-k/top-p/min-p, everything; each without and with logprobs):
+  6 x R graphs, all known in advance (`neutral_metadata(B, config, vocab_size, flags)` is the
+  example input for AOT compiles). Without `variants`, each combination met compiles.
 
 Device side (pure, jittable; `sampler.py`):
-- `sample(logits f32[B, V], md, flags, history i32[B, L]) -> SamplerOutput(tokens i32[B],
+- `sample(logits f32[B, V], md, flags, history i32[B, L], kernels) -> SamplerOutput(tokens i32[B],
   logprobs f32[B, K], logprob_token_ids i32[B, K], ranks i32[B], num_nans i32[B])`, K = 1 +
   flags.num_logprobs or 0. history holds each row's tokens (prompt, then generated); the first
   md.positions[b] are read, by penalties and bad words only (pass [B, 0] without them).
@@ -34,11 +32,10 @@ prompt's `LogprobsArrays` once, in the step that completes the prompt; `discard(
 finish or preemption.
 """
 
-from jaxrunner.sampling.logprobs import LogprobsArrays, PromptLogprobsBuffer, compute_logprobs, prompt_logprob_positions
+from jaxrunner.sampling.logprobs import PromptLogprobsBuffer, compute_logprobs, prompt_logprob_positions
 from jaxrunner.sampling.metadata import (
     NO_LOGPROBS,
     RequestSampling,
-    SamplerConfig,
     SamplerFlags,
     SamplingMetadata,
     build_sampling_metadata,
@@ -50,10 +47,8 @@ from jaxrunner.sampling.sampler import SamplerOutput, process_logits, sample
 
 __all__ = [
     "NO_LOGPROBS",
-    "LogprobsArrays",
     "PromptLogprobsBuffer",
     "RequestSampling",
-    "SamplerConfig",
     "SamplerFlags",
     "SamplerOutput",
     "SamplingMetadata",

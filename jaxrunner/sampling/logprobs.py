@@ -12,13 +12,11 @@ generated tokens too) emitted them before it was preempted, so it computes none.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
+
+from jaxrunner.step_io import LogprobsArrays
 
 TOP_K_ROUND = 16
 
@@ -44,9 +42,9 @@ def top_ids(x: jax.Array, n: int) -> jax.Array:
     """Ids i32 [N, n] of each row's n largest values, largest first (lowest id first among ties).
 
     lax.top_k in rounds of at most TOP_K_ROUND, the found ids masked out between rounds: XLA's
-    fast GPU top-k stops at k = 16 and falls back to a full sort above it (on an H200, [256,
-    128256]: top-20 in one call 2.5 ms, as 16 + 4 1.0 ms). Masked-out tokens (-inf) are lifted to
-    the lowest finite value first, so that the masking below them keeps the ids distinct.
+    fast GPU top-k stops at k = 16 and falls back to a full sort above it, which costs more than the
+    rounds (docs/benchmarks.md). Masked-out tokens (-inf) are lifted to the lowest finite value
+    first, so that the masking below them keeps the ids distinct.
     """
     rows = jnp.arange(x.shape[0])[:, None]
     x = jnp.where(x == -jnp.inf, jnp.finfo(x.dtype).min, x)
@@ -60,23 +58,6 @@ def top_ids(x: jax.Array, n: int) -> jax.Array:
 
 def _values_at(x: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, ids[:, None], axis=1)[:, 0]
-
-
-@dataclass(frozen=True)
-class LogprobsArrays:
-    """Host copy of logprobs for n positions (vLLM's LogprobsTensors as numpy)."""
-
-    token_ids: np.ndarray  # i32 [n, 1 + N]: the chosen token, then the top N
-    logprobs: np.ndarray  # f32 [n, 1 + N]
-    ranks: np.ndarray  # i32 [n]: rank of the chosen token
-
-    @classmethod
-    def concat(cls, parts: Sequence[LogprobsArrays]) -> LogprobsArrays:
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("token_ids", "logprobs", "ranks")))
-
-    def select(self, rows: slice | np.ndarray, num_top: int) -> LogprobsArrays:
-        """Some rows, with the chosen token and the first `num_top` top entries."""
-        return LogprobsArrays(self.token_ids[rows, : 1 + num_top], self.logprobs[rows, : 1 + num_top], self.ranks[rows])
 
 
 def prompt_logprob_positions(prompt_len: int, prefill_len: int, num_computed: int, num_scheduled: int) -> range:

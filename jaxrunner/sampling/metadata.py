@@ -9,7 +9,7 @@ static argument of the jitted sampler, so a batch only pays for the features som
 Variable-width data (logit bias, allowed ids, min-tokens stop ids, bad words) travels in arrays of
 a fixed width from `SamplerConfig` when its flag is on, and of width 0 when it is off; the flags
 therefore fix every shape, and the number of graphs is the number of distinct flags per request
-bucket. Passing `variants` (e.g. `flag_variants(config)`, 6 of them) promotes each batch to the
+bucket. Passing `variants` (e.g. `flag_variants(config, vocab_size)`, 6 of them) promotes each batch to the
 first variant that covers it, so exactly those graphs arise; without `variants` a graph arises per
 combination actually met (at most 2**8 per bucket).
 """
@@ -25,9 +25,9 @@ import jax
 import numpy as np
 
 from jaxrunner.pytree import pytree_dataclass
-from jaxrunner.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
+from jaxrunner.config import SamplerConfig
+from jaxrunner.sampling_params import SamplingParams
 
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 NO_LOGPROBS = -1
 SCALARS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 # Per-request lists and the metadata columns they fill (min_tokens' stop ids are handled apart).
@@ -37,46 +37,6 @@ LIST_COLUMNS = (
     ("bad_words", ("bad_words",)),
 )
 FEATURES = ("penalties", "top_k_top_p", "min_p", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens")
-
-
-@dataclass(frozen=True)
-class SamplerConfig:
-    """Engine-wide sampler settings, fixed for the runner's lifetime.
-
-    `max_logprobs` bounds what a request may ask for (-1: the whole vocabulary); every row that
-    wants logprobs gets that many top columns and the host keeps each row's own count. The
-    `max_*` widths bound the per-request lists (vLLM's limits by default).
-    """
-
-    vocab_size: int
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS
-    logprobs_mode: str = "raw_logprobs"
-    count_nans: bool = True
-    eos_token_ids: tuple[int, ...] = ()
-    max_logit_bias: int = 1024
-    max_allowed_token_ids: int = 1024
-    max_stop_token_ids: int = 128
-    max_bad_words: int = 128
-    max_bad_word_len: int = 8
-
-    def __post_init__(self) -> None:
-        if self.vocab_size < 1:
-            raise ValueError(f"SamplerConfig.vocab_size must be at least 1, got {self.vocab_size}")
-        if self.max_logprobs < -1:
-            raise ValueError(
-                f"SamplerConfig.max_logprobs must be -1 (whole vocabulary) or >= 0, got {self.max_logprobs}"
-            )
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"SamplerConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        widths = ("max_logit_bias", "max_allowed_token_ids", "max_stop_token_ids", "max_bad_words", "max_bad_word_len")
-        for name in widths:
-            if getattr(self, name) < 1:
-                raise ValueError(f"SamplerConfig.{name} must be at least 1, got {getattr(self, name)}")
-
-    @property
-    def logprobs_width(self) -> int:
-        """Top-logprob columns computed beside the sampled token's when some row wants logprobs."""
-        return self.vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, self.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -112,13 +72,13 @@ class SamplerFlags:
 
 
 @functools.cache  # asked every step; the answer depends on the engine-wide config only
-def flag_variants(config: SamplerConfig) -> tuple[SamplerFlags, ...]:
+def flag_variants(config: SamplerConfig, vocab_size: int) -> tuple[SamplerFlags, ...]:
     """A small covering set of graphs, cheapest first: plain, truncation (top-k/top-p/min-p),
     everything; each without and with logprobs. The last covers every batch."""
     plain = SamplerFlags(logprobs_mode=config.logprobs_mode, count_nans=config.count_nans)
     truncation = dataclasses.replace(plain, top_k_top_p=True, min_p=True)
     everything = dataclasses.replace(plain, **{f: True for f in FEATURES})
-    with_logprobs = functools.partial(dataclasses.replace, num_logprobs=config.logprobs_width)
+    with_logprobs = functools.partial(dataclasses.replace, num_logprobs=config.logprobs_width(vocab_size))
     return tuple(v for f in (plain, truncation, everything) for v in (f, with_logprobs(f)))
 
 
@@ -170,16 +130,19 @@ class RequestSampling:
     features: frozenset[str]  # names from FEATURES the request needs (min_tokens: while below min_len)
 
 
-def prepare_request(params: SamplingParams, seed: int, prompt_len: int, config: SamplerConfig) -> RequestSampling:
+def prepare_request(
+    params: SamplingParams, seed: int, prompt_len: int, config: SamplerConfig, vocab_size: int,
+    eos_token_ids: tuple[int, ...] = (),
+) -> RequestSampling:
     """Pack a request's parameters; ValueError if the model or the engine's limits rule them out.
 
-    `seed` is params.seed, or one the runner drew for an unseeded request.
+    `seed` is params.seed, or one the runner drew for an unseeded request. Under min_tokens the
+    stop token ids and `eos_token_ids` (the model's) are banned.
     """
-    params.verify(config.vocab_size, config.max_logprobs)
-    vocab = config.vocab_size
+    params.verify(vocab_size, config.max_logprobs)
     bias = params.logit_bias or {}
     allowed = params.allowed_token_ids or []
-    stops = sorted(set(params.stop_token_ids or []) | set(config.eos_token_ids)) if params.min_tokens else []
+    stops = sorted(set(params.stop_token_ids or []) | set(eos_token_ids)) if params.min_tokens else []
     words = params.bad_words_token_ids or []
     for name, count, limit in (
         ("logit_bias entries", len(bias), config.max_logit_bias),
@@ -194,12 +157,12 @@ def prepare_request(params: SamplingParams, seed: int, prompt_len: int, config: 
     bad_words = np.full((len(words), config.max_bad_word_len), -1, np.int32)
     for i, word in enumerate(words):
         bad_words[i, config.max_bad_word_len - len(word) :] = word
-    top_k = vocab if params.top_k == -1 else min(params.top_k, vocab)
-    num_logprobs = NO_LOGPROBS if params.logprobs is None else vocab if params.logprobs == -1 else params.logprobs
+    top_k = vocab_size if params.top_k == -1 else min(params.top_k, vocab_size)
+    num_logprobs = NO_LOGPROBS if params.logprobs is None else vocab_size if params.logprobs == -1 else params.logprobs
     penalties = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty) != (1.0, 0.0, 0.0)
     wanted = {
         "penalties": penalties,
-        "top_k_top_p": top_k < vocab or params.top_p < 1.0,
+        "top_k_top_p": top_k < vocab_size or params.top_p < 1.0,
         "min_p": params.min_p > 0.0,
         "logit_bias": bool(bias),
         "allowed_token_ids": bool(allowed),
@@ -232,6 +195,7 @@ def build_sampling_metadata(
     positions: Sequence[int],
     num_rows: int,
     config: SamplerConfig,
+    vocab_size: int,
     variants: Sequence[SamplerFlags] = (),
 ) -> tuple[SamplingMetadata, SamplerFlags]:
     """Numpy metadata for a bucket of `num_rows` rows (the first len(requests) used) and its flags.
@@ -249,13 +213,13 @@ def build_sampling_metadata(
     wants_logprobs = any(r.num_logprobs != NO_LOGPROBS for r in requests)
     needed = SamplerFlags(
         **{f: f in features for f in FEATURES},
-        num_logprobs=config.logprobs_width if wants_logprobs else NO_LOGPROBS,
+        num_logprobs=config.logprobs_width(vocab_size) if wants_logprobs else NO_LOGPROBS,
         logprobs_mode=config.logprobs_mode,
         count_nans=config.count_nans,
     )
     flags = next((v for v in variants if v.covers(needed)), needed)
 
-    md = neutral_metadata(num_rows, config, flags)
+    md = neutral_metadata(num_rows, config, vocab_size, flags)
     for name in SCALARS:
         getattr(md, name)[:n] = [getattr(r, name) for r in requests]
     seeds = np.array([r.seed for r in requests], np.uint64)
@@ -273,9 +237,9 @@ def build_sampling_metadata(
     return md, flags
 
 
-def neutral_metadata(num_rows: int, config: SamplerConfig, flags: SamplerFlags) -> SamplingMetadata:
+def neutral_metadata(num_rows: int, config: SamplerConfig, vocab_size: int, flags: SamplerFlags) -> SamplingMetadata:
     """Metadata of `num_rows` padding rows shaped for `flags` (also the example input for AOT compiles)."""
-    vocab, b = config.vocab_size, num_rows
+    vocab, b = vocab_size, num_rows
 
     def width(on: bool, w: int) -> int:
         return w if on else 0

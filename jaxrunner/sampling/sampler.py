@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrunner.config import Kernels
 from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.sampling.logprobs import compute_logprobs
 from jaxrunner.sampling.metadata import NO_LOGPROBS, SamplerFlags, SamplingMetadata
@@ -31,7 +32,9 @@ class SamplerOutput:
     num_nans: jax.Array  # i32 [B]: NaNs in the row's logits (0 unless flags.count_nans)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags, history: jax.Array) -> SamplerOutput:
+def sample(
+    logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags, history: jax.Array, kernels: Kernels
+) -> SamplerOutput:
     """Sample one token per row of logits [B, V].
 
     `history` i32 [B, L] holds each row's tokens (prompt, then generated); the first
@@ -39,7 +42,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags, history
     """
     batch = logits.shape[0]
     logits = logits.astype(jnp.float32)
-    processed = process_logits(logits, md, flags, history)
+    processed = process_logits(logits, md, flags, history, kernels)
     greedy = (md.temperature == 0.0)[:, None]
     noisy = jnp.where(greedy, processed, processed + gumbel_noise(md.seeds, md.positions, logits.shape[1]))
     tokens = jnp.argmax(noisy, axis=1).astype(jnp.int32)
@@ -54,7 +57,9 @@ def sample(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags, history
     return SamplerOutput(tokens, values, ids, ranks, num_nans)
 
 
-def process_logits(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags, history: jax.Array) -> jax.Array:
+def process_logits(
+    logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags, history: jax.Array, kernels: Kernels
+) -> jax.Array:
     """f32 logits [B, V] after every sampling parameter: what the sample is drawn from."""
     batch, vocab = logits.shape
     rows = jnp.arange(batch)[:, None]
@@ -76,7 +81,7 @@ def process_logits(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags,
         floor = jnp.max(x, axis=1, keepdims=True) + jnp.log(md.min_p)[:, None]
         x = jnp.where(x < floor, -jnp.inf, x)
     if flags.top_k_top_p:
-        x = top_k_top_p(x, md.top_k, md.top_p)
+        x = top_k_top_p(x, md.top_k, md.top_p, kernels)
     return x
 
 

@@ -10,9 +10,9 @@ sweep over the row, shrinking the interval (C + 1)-fold: with C = 4, 14 passes f
 number of passes is fixed (no data-dependent loop, so no device-to-host sync on GPU); a row that
 needs no cut starts with an empty interval and the passes leave it alone.
 
-On GPU a pass is a Pallas kernel (`tally_kernel`, which says how C was chosen); elsewhere the
-same tally in jnp. Cost: 2 searches x 14 passes over the logits, about 1.7x faster than sorting
-them at batch 256 x vocab 128256; see benchmarks/sampler.py.
+With the runner's Pallas kernels a pass is `pallas_kernels.sampler_tally` (which says how C was
+chosen); otherwise the same tally in jnp. Either way 2 searches x 14 passes over the logits cost
+less than sorting them (`benchmarks/sampler.py`, figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,23 +25,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrunner.sampling.tally_kernel import NUM_CANDIDATES, ordered_keys, padded_vocab, tally_kernel, tally_reference
+from jaxrunner.config import Kernels
+from pallas_kernels.sampler_tally import NUM_CANDIDATES, ordered_keys, padded_vocab, tally_kernel, tally_reference
 
 Tally = Callable[[jax.Array, jax.Array, jax.Array, bool], jax.Array]
 
 
-def top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array, use_kernel: bool | None = None) -> jax.Array:
+def top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array, kernels: Kernels) -> jax.Array:
     """x [B, V] with every token outside each row's top-k, then top-p, set to -inf.
 
-    top_k i32 [B] (V: off), top_p f32 [B] (1: off). x must be NaN-free. `use_kernel` defaults to
-    "on GPU".
+    top_k i32 [B] (V: off), top_p f32 [B] (1: off). x must be NaN-free.
     """
     vocab = x.shape[1]
-    if use_kernel is None:
-        use_kernel = jax.default_backend() == "gpu"
-    if use_kernel:
+    if kernels.pallas:
         padded = jnp.pad(x, ((0, 0), (0, padded_vocab(vocab) - vocab)), constant_values=-jnp.inf)
-        tally: Tally = functools.partial(tally_kernel, padded)
+        tally: Tally = functools.partial(tally_kernel, padded, interpret=kernels.interpret)
     else:
         tally = functools.partial(tally_reference, x)
     keys = ordered_keys(x)

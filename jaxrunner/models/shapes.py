@@ -1,11 +1,9 @@
-"""The model shapes the benchmarks run (DESIGN.md 8), with random weights, and their floors."""
+"""Real models' shapes, by name: for random weights (`load_format="dummy"`) and the benchmarks
+(W1 is Llama-3-8B's, W2 Qwen3-0.6B's; docs/design.md)."""
 
 from __future__ import annotations
 
-import jax
-
 from jaxrunner.config import ModelConfig, RopeScaling
-from jaxrunner.models.llama import Params
 
 SHAPES = {
     "llama3-8b": ModelConfig(
@@ -23,7 +21,6 @@ SHAPES = {
         num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(0,),
     ),
 }
-COPY_BANDWIDTH = 4.21e12  # bytes/s on the H200, DESIGN.md 8
 
 
 def shape(name: str) -> ModelConfig:
@@ -31,8 +28,3 @@ def shape(name: str) -> ModelConfig:
         raise ValueError(f"unknown model shape {name!r}; choose one of {', '.join(SHAPES)}")
     return SHAPES[name]
 
-
-def weight_bytes_per_step(params: Params) -> int:
-    """Every weight is read once per decode step except an untied embedding table, which is only gathered."""
-    total = sum(x.nbytes for x in jax.tree.leaves(params))
-    return total - (params["embed"].nbytes if "lm_head" in params else 0)

@@ -1,4 +1,4 @@
-"""One pass of the threshold search as a Pallas (Triton) kernel: tallies for a few candidate keys.
+"""One pass of the sampler's threshold search as a Pallas (Triton) kernel: tallies for a few candidate keys.
 
 For each row b and candidate key c[b, j], either the number of tokens whose key is >= c, or their
 mass: the sum of exp(x - row_max) over those tokens whose key is also >= floor[b]. XLA turns the
@@ -6,10 +6,9 @@ same computation (`tally_reference`) into a [B, V, C] reduction; the kernel read
 per pass and keeps one running sum per candidate in registers. Grid: (rows, splits of the
 vocabulary); XLA adds the splits' partial sums.
 
-Tuned on an H200 (batch 256, vocab 128256, whole top-k + top-p search): 4 candidates per pass,
-blocks of 1024, 16 splits, 4 warps: 2.0 ms against 2.4 ms for the XLA tally and 3.3 ms for a sort.
-A pass costs about as much compute as memory traffic: 16 candidates (8 passes) took 2.9 ms, 2
-candidates (21 passes) 2.3 ms.
+The candidates per pass trade passes for work per pass: a pass costs about as much compute as
+memory traffic, so 4 candidates (14 passes) beat both 2 and 16 on the H200 (the tuning figures are
+in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -53,14 +52,9 @@ def padded_vocab(vocab: int) -> int:
 
 
 def tally_kernel(
-    x: jax.Array, cand: jax.Array, floor: jax.Array, row_max: jax.Array, mass: bool, interpret: bool | None = None
+    x: jax.Array, cand: jax.Array, floor: jax.Array, row_max: jax.Array, mass: bool, interpret: bool = False
 ) -> jax.Array:
-    """tally_reference for x already padded with -inf to padded_vocab(V) columns, and C = NUM_CANDIDATES.
-
-    Runs interpreted (slowly) off GPU unless told otherwise.
-    """
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    """tally_reference for x already padded with -inf to padded_vocab(V) columns, and C = NUM_CANDIDATES."""
     batch, vocab = x.shape
     split = vocab // SPLITS
     assert vocab == padded_vocab(vocab) and cand.shape == (batch, NUM_CANDIDATES)
