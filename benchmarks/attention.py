@@ -5,8 +5,7 @@
 Sections (all bf16, Llama-3-8B heads: 32 query heads, 8 KV heads, D=128, page size 16):
 - copy: device copy bandwidth, the yardstick for everything memory-bound;
 - decode: batch {1, 16, 64, 256} x context {512, 4k, 32k}; time and GB/s on the KV bytes read, for
-  ours (`ragged_paged_attention_decode`, Triton-lowered, and its experimental Mosaic GPU variant),
-  XLA on the dense (pre-gathered) cache, and
+  ours (`ragged_paged_attention_decode`, Triton-lowered), XLA on the dense (pre-gathered) cache, and
   `jax.experimental.pallas.ops.gpu.paged_attention` (head-major copy of the same pages);
 - prefill: 8k tokens as one request and as 16 x 512; TFLOP/s (causal FLOPs) for ours
   (`ragged_paged_attention`) against cuDNN and XLA `jax.nn.dot_product_attention` on dense inputs;
@@ -41,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxrunner import platform
 from pallas_kernels import KernelConfig, ragged_paged_attention, ragged_paged_attention_decode, write_kv
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -146,11 +146,11 @@ def decode_case(batch: int, context: int, copy_gbps: float, configs: dict[str, K
     qsl = jnp.arange(batch + 1, dtype=jnp.int32)
     rate = lambda t: dict(time_us=t * 1e6, gbps=kv_bytes / t / 1e9, copy_frac=kv_bytes / t / 1e9 / copy_gbps)
 
-    def ours(config=None, impl="triton"):
+    def ours(config=None):
         def fn(i, q, k_cache, v_cache, tables):
             return ragged_paged_attention_decode(q, k_cache, v_cache, qsl, lens, tables[i % copies],
                                                  jnp.int32(batch), sm_scale=SCALE, config=config,
-                                                 impl=impl)
+                                                 num_sms=platform.num_sms())
         return rate(device_time(fn, (q, k_cache, v_cache, tables), est_seconds=est))
 
     if configs is not None:  # sweep mode: only our kernel, under each tiling
@@ -158,7 +158,6 @@ def decode_case(batch: int, context: int, copy_gbps: float, configs: dict[str, K
             record("sweep", case, f"ours {name}", functools.partial(ours, config))
         return
     mine = record("decode", case, "ours (pallas/triton)", ours)
-    mosaic = record("decode", case, "ours (mosaic gpu, experimental)", functools.partial(ours, impl="mosaic"))
 
     def xla_dense():
         pages = tables[0]
@@ -192,9 +191,8 @@ def decode_case(batch: int, context: int, copy_gbps: float, configs: dict[str, K
 
     for name, fn in (("xla dense (pre-gathered)", xla_dense), ("jax ops.gpu.paged_attention", jax_paged)):
         peer = record("decode", case, name, fn)
-        for row in (mine, mosaic):
-            if "error" not in row and "error" not in peer:
-                row.setdefault("vs", {})[name] = peer["time_us"] / row["time_us"]
+        if "error" not in mine and "error" not in peer:
+            mine.setdefault("vs", {})[name] = peer["time_us"] / mine["time_us"]
     k_cache.delete()
     v_cache.delete()
 
@@ -320,11 +318,10 @@ def summary() -> list[str]:
                      and "error" not in r), None)
 
     nan = float("nan")
-    for impl in ("ours (pallas/triton)", "ours (mosaic gpu, experimental)"):
-        if row := find("decode", "b64 x ctx4096", impl):
-            vs_jax = row.get("vs", {}).get("jax ops.gpu.paged_attention", nan)
-            lines.append(f"TARGET decode b64 x 4k, {impl}: {100 * row['copy_frac']:.1f}% of copy "
-                         f"(>= 80%), x{vs_jax:.2f} vs jax paged_attention (>= 1.5)")
+    if row := find("decode", "b64 x ctx4096", "ours (pallas/triton)"):
+        vs_jax = row.get("vs", {}).get("jax ops.gpu.paged_attention", nan)
+        lines.append(f"TARGET decode b64 x 4k: {100 * row['copy_frac']:.1f}% of copy "
+                     f"(>= 80%), x{vs_jax:.2f} vs jax paged_attention (>= 1.5)")
     for case in ("1 x 8192", "16 x 512"):
         if row := find("prefill", case, "ours (pallas/triton)"):
             vs_cudnn = row.get("vs", {}).get("jax.nn.dpa cudnn (dense)", nan)

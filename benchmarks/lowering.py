@@ -1,7 +1,7 @@
 """Start-up's Python half: the time to lower (trace, then emit StableHLO and the Pallas kernels'
 Triton IR) every program `Runner.warmup` compiles for an H200, with the engine's default GPU
 configuration. Lowering holds the GIL, so unlike XLA's compiles it does not spread over cores. Runs
-on any machine: the runner is built as on a GPU (the backend query answers "gpu") and the Pallas
+on any machine: the runner is built as on a GPU (`jaxrunner.platform` answers "on a GPU") and the Pallas
 lowering targets an abstract H200; nothing is compiled or allocated.
 
     PYTHONPATH=$PWD python benchmarks/lowering.py --shape qwen3-0.6b
@@ -19,8 +19,8 @@ import jax
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxrunner import Runner, RunnerConfig
-from jaxrunner.models.shapes import SHAPES, shape
 from jaxrunner.models.llama import init_params
+from jaxrunner.models.shapes import SHAPES, shape
 
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 
@@ -34,13 +34,13 @@ def main() -> None:
 
     model = shape(args.shape)
     config = RunnerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=args.max_model_len,
-                          num_blocks=64, dtype="bfloat16")
+                          num_blocks=64, dtype="bfloat16", num_scheduler_steps=args.num_scheduler_steps)
     seconds = collections.defaultdict(list)
-    with mock.patch("jax.default_backend", return_value="gpu"), jax.sharding.use_abstract_mesh(H200):
+    with mock.patch("jaxrunner.platform.on_gpu", return_value=True), jax.sharding.use_abstract_mesh(H200):
         runner = Runner(model, jax.eval_shape(lambda: init_params(model, jax.random.key(0), "bfloat16")), config)
-        for program in runner.warmup_programs(jax.eval_shape(runner.init_state), args.num_scheduler_steps):
+        for program in runner.programs.warmup_programs():
             start = time.perf_counter()
-            program.fn.trace(*program.args, **program.statics).lower(lowering_platforms=("cuda",))
+            program.kind.jitted.trace(*program.args, **program.statics).lower(lowering_platforms=("cuda",))
             seconds[program.key[0]].append(time.perf_counter() - start)
     result = {**vars(args), "programs": sum(map(len, seconds.values())),
               "lower_seconds": round(sum(map(sum, seconds.values())), 1),

@@ -3,7 +3,7 @@
 Each case multiplies a 16-row bf16 activation (the smallest token bucket) by the weights of
 `--layers` layers in one jitted call, as a decode step does, so the weights come from HBM, not L2;
 its time is the GPU's busy time in a device trace. Prints GB/s of weight bytes read and the
-fraction of DESIGN.md's copy bandwidth: the reason q|k|v and gate|up are stored side by side.
+fraction of the H200's copy bandwidth (docs/design.md): the reason q|k|v and gate|up are stored side by side.
 
     PYTHONPATH=$PWD python benchmarks/matmul.py --shape llama3-8b
 Writes $OUT/matmul_<shape>.json when OUT is set.

@@ -26,11 +26,11 @@ import jax
 import numpy as np
 from jax.profiler import ProfileData
 
-from jaxrunner import CachedRequestData, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
+from jaxrunner import CachedRequestData, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput, platform
 from jaxrunner.bench.floors import COPY_BANDWIDTH, weight_bytes_per_step
-from jaxrunner.models.shapes import SHAPES, shape
 from jaxrunner.models import llama
 from jaxrunner.models.llama import init_params
+from jaxrunner.models.shapes import SHAPES, shape
 from jaxrunner.state import kv_cache_bytes
 
 
@@ -38,12 +38,13 @@ def decode_batch(name: str, batch: int, context: int, steps: int, num_steps: int
     """A bf16 runner with random weights and the SchedulerOutputs of `steps` decode calls of `batch`
     requests whose first `context` - 1 tokens count as cached (zeroed pages: timing only)."""
     model = shape(name)
-    dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    dtype = "bfloat16" if platform.on_gpu() else "float32"
     length = context + steps * num_steps + 1
     blocks_per_req = -(-length // 16)
     config = RunnerConfig(
         max_num_seqs=batch, max_num_batched_tokens=max(batch, 16), max_model_len=length, block_size=16,
         num_blocks=batch * blocks_per_req, dtype=dtype, token_buckets=(max(batch, 16),), request_buckets=(batch,),
+        num_scheduler_steps=num_steps,
     )
     runner = Runner(model, init_params(model, jax.random.key(0), dtype), config)
     ids = [f"r{i}" for i in range(batch)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -27,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrunner.config import Kernels, SamplerConfig
 from jaxrunner.sampling import (
-    SamplerConfig,
     SamplerFlags,
     build_sampling_metadata,
     compute_logprobs,
@@ -39,6 +40,9 @@ from jaxrunner.sampling import (
 from jaxrunner.sampling.sampler import gumbel_noise
 from jaxrunner.sampling.truncation import top_k_top_p
 from jaxrunner.sampling_params import SamplingParams
+
+KERNELS = Kernels.choose("auto")  # the Pallas tally on a GPU, the XLA tally elsewhere
+XLA_TALLY = Kernels(pallas=False, interpret=False, num_sms=KERNELS.num_sms)
 
 
 def sort_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -55,7 +59,7 @@ def sort_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
 
 def sort_sample(logits: jax.Array, md, flags: SamplerFlags, history: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The same sampler with the sort-based cut: (tokens, logprobs)."""
-    x = process_logits(logits, md, dataclasses.replace(flags, top_k_top_p=False), history)
+    x = process_logits(logits, md, dataclasses.replace(flags, top_k_top_p=False), history, KERNELS)
     x = sort_top_k_top_p(x, md.top_k, md.top_p)
     greedy = (md.temperature == 0.0)[:, None]
     tokens = jnp.argmax(jnp.where(greedy, x, x + gumbel_noise(md.seeds, md.positions, x.shape[1])), axis=1)
@@ -64,7 +68,7 @@ def sort_sample(logits: jax.Array, md, flags: SamplerFlags, history: jax.Array) 
 
 
 def mixed_batch(batch: int, vocab: int, history_len: int, rng: np.random.Generator):
-    config = SamplerConfig(vocab_size=vocab)
+    config = SamplerConfig()
     requests, prompt_lens = [], rng.integers(history_len // 4, history_len // 2, batch)
     for i in range(batch):
         params = SamplingParams(
@@ -77,9 +81,9 @@ def mixed_batch(batch: int, vocab: int, history_len: int, rng: np.random.Generat
             presence_penalty=0.3 if i % 4 == 0 else 0.0,
             logprobs=5 if i % 4 == 1 else None,
         )
-        requests.append(prepare_request(params, int(rng.integers(0, 2**63)), int(prompt_lens[i]), config))
+        requests.append(prepare_request(params, int(rng.integers(0, 2**63)), int(prompt_lens[i]), config, vocab))
     positions = rng.integers(history_len // 2, history_len, batch)
-    md, flags = build_sampling_metadata(requests, positions.tolist(), batch, config)
+    md, flags = build_sampling_metadata(requests, positions.tolist(), batch, config, vocab)
     # Llama-like logits: a broad bulk and a few tokens well above it.
     logits = rng.normal(0.0, 2.0, (batch, vocab)).astype(np.float32)
     logits[np.arange(batch)[:, None], rng.integers(0, vocab, (batch, 8))] += rng.uniform(4, 12, (batch, 8))
@@ -114,18 +118,17 @@ def main() -> None:
     md, logits, history = jax.device_put((md, logits, history))
     plain = SamplerFlags(count_nans=flags.count_nans)
     no_cut = dataclasses.replace(flags, top_k_top_p=False)
-    scaled = jax.jit(process_logits, static_argnums=2)(logits, md, no_cut, history)
+    scaled = jax.jit(process_logits, static_argnums=(2, 4))(logits, md, no_cut, history, KERNELS)
 
-    ours = jax.jit(sample, static_argnums=2)
+    ours = jax.jit(functools.partial(sample, kernels=KERNELS), static_argnums=2)
+    truncate = jax.jit(functools.partial(top_k_top_p, kernels=KERNELS))
     baseline = jax.jit(sort_sample, static_argnums=2)
     cases = {
         "sampler, mixed params (ours)": (ours, (logits, md, flags, history)),
         "sampler, mixed params (sort baseline)": (baseline, (logits, md, flags, history)),
-        "top-k/top-p alone (ours)": (jax.jit(top_k_top_p), (scaled, md.top_k, md.top_p)),
+        "top-k/top-p alone (ours)": (truncate, (scaled, md.top_k, md.top_p)),
         "top-k/top-p alone (ours, XLA tally)": (
-            jax.jit(top_k_top_p, static_argnums=3),
-            (scaled, md.top_k, md.top_p, False),
-        ),
+            jax.jit(functools.partial(top_k_top_p, kernels=XLA_TALLY)), (scaled, md.top_k, md.top_p)),
         "top-k/top-p alone (sort baseline)": (jax.jit(sort_top_k_top_p), (scaled, md.top_k, md.top_p)),
         "sampler, temperature only (floor)": (ours, (logits, md, plain, history)),
     }
@@ -133,7 +136,7 @@ def main() -> None:
 
     tokens = np.asarray(ours(logits, md, flags, history).tokens)
     agreement = float(np.mean(tokens == np.asarray(baseline(logits, md, flags, history)[0])))
-    same_cut = float(np.mean(np.asarray(jax.jit(top_k_top_p)(scaled, md.top_k, md.top_p))
+    same_cut = float(np.mean(np.asarray(truncate(scaled, md.top_k, md.top_p))
                              == np.asarray(jax.jit(sort_top_k_top_p)(scaled, md.top_k, md.top_p))))
     speedup = {
         "sampler": results["sampler, mixed params (sort baseline)"]["median_ms"]

@@ -15,8 +15,8 @@ import logging
 import os
 import time
 
-from jaxrunner.models.shapes import SHAPES
 from jaxrunner.engine import LLM
+from jaxrunner.models.shapes import SHAPES
 
 
 def main() -> None:

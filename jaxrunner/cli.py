@@ -4,7 +4,7 @@
     jaxrunner generate --model DIR --temperature 0 --max-tokens 64 "Hello" "Bonjour"
     jaxrunner generate --model DIR --stream "Once upon a time"
     jaxrunner generate --temperature 0 --logprobs 3 --prompt-logprobs 1 "Hello"   # one line per token
-    jaxrunner bench latency --json w1.json       # W1 of DESIGN.md 8, beside the HF transformers peer
+    jaxrunner bench latency --json w1.json       # W1 (docs/design.md), beside the HF transformers peer
     jaxrunner bench throughput --no-peer         # W2, jaxrunner alone
 
 Engine and sampling flags keep vLLM's names (--max-model-len, --max-num-seqs, --max-tokens, --top-p,
@@ -19,8 +19,8 @@ import json
 import os
 import sys
 
-from jaxrunner.models.shapes import SHAPES
 from jaxrunner.engine.default_model import DEFAULT_MODEL_NOTICE
+from jaxrunner.models.shapes import SHAPES
 
 # (flag, type, help) for the SamplingParams fields the CLI exposes; `type` None means a switch.
 SAMPLING_FLAGS = (
@@ -52,6 +52,7 @@ ENGINE_FLAGS = (
     ("gpu_memory_utilization", float, None),
     ("num_gpu_blocks_override", int, None),
     ("seed", int, "engine seed: requests without their own seed draw one from it"),
+    ("kernels", str, "auto (Pallas on a GPU), pallas (interpreted off a GPU) or reference"),
 )
 
 

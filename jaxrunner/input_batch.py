@@ -196,7 +196,7 @@ def _check_types(sched: SchedulerOutput, bad: Callable[[str], None]) -> None:
             block_ids(f"request {rid!r}: new_block_ids", groups)
 
 
-def batch_order(table: RequestTable, sched: SchedulerOutput) -> list[str]:
+def batch_order(sched: SchedulerOutput) -> list[str]:
     """Decodes first, then by ascending query length (vLLM's order; decode kernels want it)."""
     ids = [n.req_id for n in sched.scheduled_new_reqs] + list(sched.scheduled_cached_reqs.req_ids)
     return sorted(ids, key=lambda rid: sched.num_scheduled_tokens[rid])

@@ -251,9 +251,6 @@ class Programs:
             self.compile_all([program])
         return self._compiled[program.key]
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._compiled
-
     def compile_all(self, programs: Sequence[Program], workers: int | None = None) -> int:
         """Make the programs not compiled yet ready, in parallel; how many that was. Those in the
         program cache are loaded; each other is lowered and handed to the pool at once, so lowering

@@ -91,7 +91,7 @@ class Runner:
         cfg, model, ctx = self.config, self.model_config, self.ctx
         rng = copy.deepcopy(self._rng)  # seeds are drawn from a copy, kept only if the step stands
         table, dirty = self._table.apply(sched, cfg, model, rng)
-        order = batch_order(table, sched)
+        order = batch_order(sched)
         scheduled = sched.num_scheduled_tokens
         if order:
             b_bucket = bucket(len(order), cfg.request_buckets)

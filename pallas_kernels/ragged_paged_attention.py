@@ -27,11 +27,13 @@ Both take a `config` override (a `KernelConfig`) so benchmarks can sweep tilings
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention_kernel import AttentionSpec, KernelConfig, paged_attention_call
 from pallas_kernels.common import cdiv, combine_splits, next_pow2
+
 MIN_SPLIT_KEYS = 512  # a flash-decoding split covers at least this many keys...
 SHORT_SPLIT_KEYS = 128  # ...or, for a batch with fewer (sequence, KV head) pairs than SMs, this many
 
@@ -92,7 +94,7 @@ def ragged_paged_attention_decode(
 
 def prefill_config(dtype, head_dim: int, padded_group: int) -> KernelConfig:
     """Tiling for mixed/prefill batches: ~128 query rows (64 for D=256 or fp32) x 64 keys, 4 warps
-    (the H200 sweep in docs/benchmarks.md: 4 warps beat 8 by 25% on an 8k prefill)."""
+    (4 warps won the H200 sweep in docs/benchmarks.md)."""
     big = head_dim > 128 or jnp.dtype(dtype) == jnp.float32
     rows = 64 if big else 128
     block_q = max(1, rows // padded_group)

@@ -9,9 +9,9 @@ import pytest
 from transformers import AutoConfig
 
 from jaxrunner.bench.latency import hf_config
-from jaxrunner.models.shapes import SHAPES
 from jaxrunner.cli import main
 from jaxrunner.config import ModelConfig
+from jaxrunner.models.shapes import SHAPES
 
 
 @pytest.fixture(autouse=True)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from engine_fakes import check_block_invariants
+
 from jaxrunner.engine.block_manager import BlockManager, hash_block
 from jaxrunner.engine.request import Request
 from jaxrunner.sampling_params import SamplingParams

@@ -11,8 +11,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from driver import drive, prompt_logits
+
 from jaxrunner import ModelConfig, Runner, RunnerConfig
 from jaxrunner.loader import load_model
 from jaxrunner.models.llama import init_params

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from driver import drive, prompt_logits
+
 from jaxrunner import Runner, RunnerConfig, SamplingParams
 from jaxrunner.loader import load_model
 

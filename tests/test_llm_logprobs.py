@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from driver import prompt_logits
+
 from jaxrunner.engine import LLM, Logprob
 from jaxrunner.sampling_params import SamplingParams
 

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrunner import platform
 from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_decode,
     reference_ragged_paged_attention,
     write_kv,
 )
-from jaxrunner import platform
 from pallas_kernels.testing import make_batch
 
 pytestmark = pytest.mark.gpu

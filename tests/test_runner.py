@@ -126,3 +126,20 @@ def test_state_structure_never_changes(params):
     assert jax.tree.structure(state) == structure
     assert [x.shape for x in jax.tree.leaves(state)] == shapes
     assert np.asarray(state.token_ids)[:2].any()
+
+
+def test_attention_soft_cap_reaches_both_kernel_paths(params):
+    """Gemma 2's attention soft-cap (ModelConfig.attn_soft_cap): it changes the logprobs, and the
+    Pallas kernels (interpreted) and the jnp reference agree on them."""
+    with_logprobs = SamplingParams(temperature=0.0, logprobs=5)
+
+    def first_logprobs(model: ModelConfig, kernels: str) -> np.ndarray:
+        runner = Runner(model, params, replace(CONFIG, kernels=kernels))
+        request = replace(new("a", [5, 6, 7, 8, 9], [3, 7]), sampling_params=with_logprobs)
+        step = sched([request], scheduled={"a": 5})
+        return runner.step(runner.init_state(), step)[1].logprobs["a"].logprobs
+
+    capped = replace(MODEL, attn_soft_cap=0.5)
+    reference = first_logprobs(capped, "reference")
+    np.testing.assert_allclose(first_logprobs(capped, "pallas"), reference, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(first_logprobs(MODEL, "reference"), reference, atol=1e-3)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from driver import drive
+
 from jaxrunner import Runner, RunnerConfig, SamplingParams
 from jaxrunner.loader import load_model
 

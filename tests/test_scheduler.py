@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
+from engine_fakes import VOCAB, FakeRunner, check_scheduler_invariants, reference_output
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_fakes import VOCAB, FakeRunner, check_scheduler_invariants, reference_output
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler, SchedulerConfig
@@ -32,7 +32,7 @@ def req(req_id: str, prompt_len: int, max_tokens: int = 8, first: int = 0, **par
 def step(scheduler: Scheduler, runner: FakeRunner):
     sched = scheduler.schedule()
     check_scheduler_invariants(scheduler)
-    return sched, scheduler.update_from_output(sched, runner.step(sched))
+    return sched, scheduler.update_from_output(runner.step(sched))
 
 
 def run_all(
@@ -50,9 +50,9 @@ def run_all(
             scheduler.add_request(request)
         sched = scheduler.schedule()
         check_scheduler_invariants(scheduler)
-        in_flight.append((sched, runner.step(sched)))
+        in_flight.append(runner.step(sched))
         while len(in_flight) > (1 if async_scheduling and sched.total_num_scheduled_tokens else 0):
-            scheduler.update_from_output(*in_flight.popleft())
+            scheduler.update_from_output(in_flight.popleft())
         n += 1
         assert n < max_steps, "the scheduler stopped making progress"
     step(scheduler, runner)  # report the last finished requests to the runner
@@ -189,10 +189,10 @@ def test_add_request_checks():
 def test_runner_contract_violation_is_reported():
     scheduler, _ = make(budget=4)
     scheduler.add_request(req("a", 10))
-    sched = scheduler.schedule()
+    scheduler.schedule()
     bogus = RunnerOutput(["a"], {"a": 0}, [[1]])  # a token for a non-final prefill chunk
     with pytest.raises(RuntimeError, match="expected 0"):
-        scheduler.update_from_output(sched, bogus)
+        scheduler.update_from_output(bogus)
 
 
 def test_shared_prefix_is_computed_once():

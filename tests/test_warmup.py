@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import pytest
 from driver import drive
+
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
 from jaxrunner import programs as programs_table
 from jaxrunner.loader import load_model

@@ -1,4 +1,4 @@
-"""The Hugging Face transformers peer of `jaxrunner bench` (DESIGN.md 8): the same workload, random
+"""The Hugging Face transformers peer of `jaxrunner bench` (docs/design.md, "Workloads"): the same workload, random
 weights in the same shape, measured in the same invocation so every claim is a ratio.
 
 This module imports only the standard library at module level, and torch and transformers inside

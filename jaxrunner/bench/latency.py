@@ -1,4 +1,4 @@
-"""`jaxrunner bench latency`, workload W1 (DESIGN.md 8): batch 1, a 128-token prompt, 256 greedy new
+"""`jaxrunner bench latency`, workload W1 (docs/design.md): batch 1, a 128-token prompt, 256 greedy new
 tokens, random weights in the Llama-3-8B shape; ms per decode step through the whole engine
 (scheduling, host work, dispatch, the tokens' copy back), against the floor of reading every weight
 once per step, and against Hugging Face transformers in the same invocation when it can run.
@@ -15,10 +15,10 @@ from tqdm import tqdm
 
 from jaxrunner.bench import hf_peer
 from jaxrunner.bench.floors import COPY_BANDWIDTH, weight_bytes_per_step
-from jaxrunner.models.shapes import shape
 from jaxrunner.config import ModelConfig
 from jaxrunner.engine.engine import LLMEngine
 from jaxrunner.engine.llm import LLM
+from jaxrunner.models.shapes import shape
 from jaxrunner.sampling_params import SamplingParams
 
 MODEL_TYPES = {

@@ -1,4 +1,4 @@
-"""`jaxrunner bench throughput`, workload W2 (DESIGN.md 8): 256 requests with prompt lengths uniform
+"""`jaxrunner bench throughput`, workload W2 (docs/design.md): 256 requests with prompt lengths uniform
 in [100, 1024], 512 greedy new tokens each (EOS ignored), random weights in the Qwen3-0.6B shape;
 output tokens per second end to end through `LLM.generate`, against Hugging Face transformers'
 continuous batching (`generate_batch`) on the same prompts when it can run.
@@ -13,8 +13,8 @@ import numpy as np
 
 from jaxrunner.bench import hf_peer
 from jaxrunner.bench.latency import hf_config
-from jaxrunner.models.shapes import shape
 from jaxrunner.engine.llm import LLM
+from jaxrunner.models.shapes import shape
 from jaxrunner.sampling_params import SamplingParams
 
 WARMUP_REQUESTS = 4

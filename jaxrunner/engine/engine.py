@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from jaxrunner.checks import token_ids
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.default_model import default_tokenizer
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
@@ -44,14 +45,13 @@ from jaxrunner.engine.engine_args import (
     scheduler_config,
     warm_up,
 )
-from jaxrunner.checks import token_ids
 from jaxrunner.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
+from jaxrunner.pending_output import PendingOutput
 from jaxrunner.runner import Runner
 from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.pending_output import PendingOutput
-from jaxrunner.step_io import LogprobsArrays, RunnerOutput, SchedulerOutput
+from jaxrunner.step_io import LogprobsArrays, RunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class LLMEngine:
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._ready: list[RequestOutput] = []  # outputs the next step() returns first
         self._token_texts: dict[int, str] = {}
-        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        self._in_flight: deque[PendingOutput] = deque()
         # A step still running on the device when the interpreter exits makes it abort (SIGABRT):
         # wait for whatever is in flight then, or when the engine is dropped.
         self._finalizer = weakref.finalize(self, _wait_for, self._in_flight)
@@ -244,19 +244,17 @@ class LLMEngine:
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
             self.state, pending = self.runner.dispatch(self.state, sched)
-            self._in_flight.append((sched, pending))
+            self._in_flight.append(pending)
             scheduled = sched.total_num_scheduled_tokens > 0
         while len(self._in_flight) > (1 if self.args.async_scheduling and scheduled else 0):
-            sched, pending = self._in_flight.popleft()
-            outputs += self._process(sched, pending.get())
+            outputs += self._process(self._in_flight.popleft().get())
         return outputs
 
     def drain(self) -> None:
         """Wait for every dispatched step and take its output (returned by the next `step()`), so
         that nothing is left running on the device."""
         while self._in_flight:
-            sched, pending = self._in_flight.popleft()
-            self._ready += self._process(sched, pending.get())
+            self._ready += self._process(self._in_flight.popleft().get())
 
     def close(self) -> None:
         """Finish what is in flight, abort every request left and take no more work."""
@@ -283,9 +281,9 @@ class LLMEngine:
         if self._closed:
             raise RuntimeError("this engine was closed; create a new one")
 
-    def _process(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestOutput]:
+    def _process(self, out: RunnerOutput) -> list[RequestOutput]:
         progressed: dict[str, _Parent] = {}
-        for req_id, tokens in self.scheduler.update_from_output(sched, out).items():
+        for req_id, tokens in self.scheduler.update_from_output(out).items():
             parent, child = self._children[req_id]
             self._add_logprobs(parent, child, out, len(tokens))
             self._detokenize(child, tokens)
@@ -426,6 +424,6 @@ class LLMEngine:
         return None
 
 
-def _wait_for(in_flight: deque[tuple[SchedulerOutput, PendingOutput]]) -> None:
-    for _, pending in in_flight:
+def _wait_for(in_flight: deque[PendingOutput]) -> None:
+    for pending in in_flight:
         pending.get()

@@ -192,7 +192,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> dict[str, list[int]]:
+    def update_from_output(self, out: RunnerOutput) -> dict[str, list[int]]:
         """Take the output of the oldest step in flight: append the sampled tokens and finish requests
         that hit a stop condition. Returns the new tokens (cut at the token that finished the request)
         of every request that gained tokens or finished. Tokens of requests that ended or were

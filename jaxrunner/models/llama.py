@@ -2,8 +2,8 @@
 
 Params are plain dicts, every matrix stored [in, out]. Layers are a tuple of per-layer dicts and
 the forward pass unrolls them in Python: XLA then sees one array per layer and never copies a
-layer's weights out of a stacked array (a `lax.scan` over stacked weights does, and runs decode
-~2.6x slower; DESIGN.md 8). The projections that read the same input are stored side by side (q|k|v,
+layer's weights out of a stacked array (a `lax.scan` over stacked weights does, and decode then
+runs far slower; docs/design.md). The projections that read the same input are stored side by side (q|k|v,
 gate|up): at decode one wide matmul streams its weight faster than two or three narrow ones
 (docs/benchmarks.md, `benchmarks/matmul.py`). Which optional tensors exist (q/k/v bias, q/k norm, an
 untied LM head) is fixed by the ModelConfig.
@@ -64,7 +64,8 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: str = "float32", std: f
     """Random weights in the model's shapes (norm weights are ones), for tests and benchmarks.
 
     Drawn on the device by two jitted programs, the top level's and a layer's (called once a layer):
-    one program for the whole model was compiled anew on every start, 38-52 s of the 8B shape's."""
+    one program for the whole model compiled anew on every start and was most of the start-up of
+    large shapes (docs/benchmarks.md)."""
     shapes = param_shapes(cfg)
     layers = shapes.pop("layers")
     trees, drawn = [], 0

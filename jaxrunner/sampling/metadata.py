@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.config import SamplerConfig
+from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.sampling_params import SamplingParams
 
 NO_LOGPROBS = -1
