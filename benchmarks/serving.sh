@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 6's serving figures on one H200, from the repo root with the results under $OUT; each part
-# fits one device call (10 minutes).
+# The serving figures on one H200, from the repo root with the results under $OUT; each part fits
+# one device call (10 minutes).
+#   bash benchmarks/serving.sh tests      # the GPU tests: parity, kernels, sampler, warm-up, the Pallas runner
 #   bash benchmarks/serving.sh latency    # W1 with the HF peer
 #   bash benchmarks/serving.sh startup    # 8B start-up with the default configuration, cold and cached
 #   bash benchmarks/serving.sh decode     # projection layouts; batch 64 x 4k and W1 profiles (both layer forms); tokens/s vs batch (PNG)
@@ -8,6 +9,12 @@
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 case "$1" in
+  tests)
+    python3 -c 'from jaxrunner import platform; import jax; print(jax.devices()[0].device_kind, "SMs:", platform.num_sms())'
+    timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_parity.py tests/test_ragged_paged_attention_gpu.py \
+      tests/test_sampler.py -k "not matches_reference" 2>&1 | tail -5
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_warmup.py tests/test_kv_sizing.py tests/test_hf_parity.py \
+      -k "warmed_up or directly or peak or pallas" 2>&1 | tail -5 ;;
   latency)
     timeout 330 python3 -m jaxrunner.cli bench latency --json "$OUT/w1.json" 2>&1 | tail -8 ;;
   startup)
@@ -25,5 +32,5 @@ case "$1" in
   throughput)
     timeout 590 python3 -m jaxrunner.cli bench throughput --json "$OUT/w2.json" 2>&1 | tr '\r' '\n' | tail -8 ;;
   *)
-    echo "usage: bash benchmarks/serving.sh latency|startup|decode|throughput" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput" >&2; exit 2 ;;
 esac

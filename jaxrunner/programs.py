@@ -160,9 +160,11 @@ def _decode_loop_examples(ctx: Context) -> Iterator[Example]:
     cfg = ctx.config
     if cfg.num_scheduler_steps == 1:
         return
-    for b in reversed(cfg.request_buckets):
+    largest = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    buckets = {(bucket(n, cfg.token_buckets), bucket(n, cfg.request_buckets)) for n in range(1, largest + 1)}
+    for t, b in sorted(buckets, reverse=True):  # the (token, request) buckets of a batch of n decodes
         for flags in filter(ctx.loops, ctx.sampler_variants):
-            args = (ctx.params, ctx.state, ctx.tokens(bucket(b, cfg.token_buckets)), ctx.samples(b, flags), np.zeros(b, np.int32))
+            args = (ctx.params, ctx.state, ctx.tokens(t), ctx.samples(b, flags), np.zeros(b, np.int32))
             yield args, dict(flags=flags, num_steps=cfg.num_scheduler_steps, uniform_decode=ctx.decode_form)
 
 
