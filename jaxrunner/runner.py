@@ -98,7 +98,12 @@ class Runner:
             t_bucket = bucket(sched.total_num_scheduled_tokens, cfg.token_buckets)
             tokens, samples, flags, sampled = build_inputs(table, order, scheduled, cfg, model.vocab_size, t_bucket, b_bucket)
             blocks = block_table_rows(table, dirty, cfg, bucket(len(dirty), cfg.request_buckets)) if dirty else None
-            scoring = self._prompts_to_score(table, order, scheduled) if sched.num_steps == 1 else []
+            if sched.num_steps == 1:
+                steps, scoring = dict.fromkeys(sampled, 1), self._prompts_to_score(table, order, scheduled)
+            else:
+                steps = {rid: table.decode_steps(rid, sched.num_steps, cfg.max_model_len) for rid in order}
+                counts = np.zeros(b_bucket, np.int32)
+                counts[: len(order)] = [steps[rid] for rid in order]
         self._rng = rng
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             self._prompt_logprobs.discard(rid)
@@ -110,15 +115,11 @@ class Runner:
             state = self.programs.run(WRITE_BLOCKS, state, *blocks)
         decode = ctx.uniform_decode(scheduled)
         if sched.num_steps == 1:
-            steps = dict.fromkeys(sampled, 1)
             last_hidden, hidden, state = self.programs.run(FORWARD, self.params, state, tokens, uniform_decode=decode)
             out, state = self.programs.run(SAMPLE, self.params, state, last_hidden, samples, flags=flags)
             prompt_logprobs = self._score_prompts(table, scoring, scheduled, hidden)
             self._table = table.advance(scheduled, steps)
         else:
-            steps = {rid: table.decode_steps(rid, sched.num_steps, cfg.max_model_len) for rid in order}
-            counts = np.zeros(b_bucket, np.int32)
-            counts[: len(order)] = [steps[rid] for rid in order]
             out, state = self._decode(state, tokens, samples, counts, flags, sched.num_steps, decode)
             prompt_logprobs = {}
             self._table = table.advance(steps, steps)

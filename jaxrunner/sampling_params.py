@@ -14,8 +14,6 @@ from typing import Protocol
 
 from jaxrunner.checks import check_bool, check_int, check_real, token_ids
 
-# Largest number of logprobs a request may ask for, unless the engine is configured otherwise.
-DEFAULT_MAX_LOGPROBS = 20
 # Below this temperature sampling is greedy, as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -118,7 +116,7 @@ class SamplingParams:
         object.__setattr__(self, name, value)
         return value
 
-    def verify(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+    def verify(self, vocab_size: int, max_logprobs: int) -> None:
         """Raise a ValueError for what only the model and engine settings can rule out.
 
         `max_logprobs` is the engine's limit (-1: the whole vocabulary); a request's -1 means the

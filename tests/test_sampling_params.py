@@ -67,11 +67,11 @@ def test_valid_edge_values_construct():
 )
 def test_verify_rejects_what_the_model_rules_out(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs).verify(vocab_size=100)
+        SamplingParams(**kwargs).verify(vocab_size=100, max_logprobs=20)
 
 
 def test_verify_accepts_what_fits():
-    SamplingParams(logprobs=20, prompt_logprobs=0, logit_bias={99: 1.0}, allowed_token_ids=[0, 99]).verify(100)
+    SamplingParams(logprobs=20, prompt_logprobs=0, logit_bias={99: 1.0}, allowed_token_ids=[0, 99]).verify(100, 20)
     SamplingParams(logprobs=-1).verify(100, max_logprobs=-1)
     SamplingParams(logprobs=50).verify(100, max_logprobs=64)
 
@@ -87,7 +87,7 @@ class FakeTokenizer:
 def test_bad_words_are_tokenized_with_and_without_a_leading_space():
     params = SamplingParams(bad_words=["bad", "  two words", "same"]).with_bad_words_tokenized(FakeTokenizer())
     assert params.bad_words_token_ids == [[1], [2], [3, 4], [5, 4], [6, 7]]
-    params.verify(vocab_size=10)
+    params.verify(vocab_size=10, max_logprobs=20)
 
 
 def test_greedy_below_the_threshold():

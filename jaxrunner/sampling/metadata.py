@@ -56,7 +56,7 @@ class SamplerFlags:
     bad_words: bool = False
     min_tokens: bool = False
     num_logprobs: int = NO_LOGPROBS
-    logprobs_mode: str = "raw_logprobs"
+    logprobs_mode: str = SamplerConfig.logprobs_mode
     count_nans: bool = False
 
     def covers(self, needed: SamplerFlags) -> bool:
