@@ -13,7 +13,12 @@ from collections.abc import Iterable
 
 def is_int(value: object) -> bool:
     """An integer, numpy's included; not a bool (True is an int to Python, never a count or an id)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
+
+
+def all_ints(values: list) -> bool:
+    """Whether every value is an integer; a plain list of ints (a prompt, say) takes the fast path."""
+    return all(type(v) is int for v in values) or all(map(is_int, values))
 
 
 def is_real(value: object) -> bool:
@@ -49,6 +54,8 @@ def token_ids(where: str, name: str, values: object) -> list[int]:
     if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
         raise ValueError(f"{where}: {name} must be a list of token ids, got {values!r:.80}")
     ids = list(values)
+    if all(type(t) is int for t in ids) and (not ids or min(ids) >= 0):
+        return ids
     if wrong := [t for t in ids if not is_int(t) or t < 0]:
         raise ValueError(f"{where}: {name} holds invalid token ids {wrong[:5]}: token ids are non-negative integers")
     return [int(t) for t in ids]

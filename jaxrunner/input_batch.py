@@ -7,12 +7,12 @@ input raises a ValueError and leaves the runner exactly as it was.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from jaxrunner.checks import is_int
+from jaxrunner.checks import all_ints, is_int
 from jaxrunner.config import ModelConfig, RunnerConfig
 from jaxrunner.sampling import RequestSampling, SamplerFlags, build_sampling_metadata, flag_variants, prepare_request
 from jaxrunner.sampling_params import SamplingParams
@@ -173,13 +173,13 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
 def _check_types(sched: SchedulerOutput, bad: Callable[[str], None]) -> None:
     """Counts, positions and ids must be ints: a float would be truncated, or fail deep in the step."""
 
-    def ints(what: str, values: Iterable) -> None:
-        if wrong := [v for v in values if not is_int(v)]:
-            bad(f"{what} must be integers, got {wrong[:5]}")
+    def ints(what: str, values: list) -> None:
+        if not all_ints(values):
+            bad(f"{what} must be integers, got {[v for v in values if not is_int(v)][:5]}")
 
     cached = sched.scheduled_cached_reqs
-    ints("num_scheduled_tokens", sched.num_scheduled_tokens.values())
-    ints("total_num_scheduled_tokens and num_steps", (sched.total_num_scheduled_tokens, sched.num_steps))
+    ints("num_scheduled_tokens", list(sched.num_scheduled_tokens.values()))
+    ints("total_num_scheduled_tokens and num_steps", [sched.total_num_scheduled_tokens, sched.num_steps])
     ints("num_computed_tokens", [n.num_computed_tokens for n in sched.scheduled_new_reqs] + list(cached.num_computed_tokens))
     def block_ids(what: str, groups: object) -> None:
         if not isinstance(groups, (tuple, list)) or not all(isinstance(g, (tuple, list)) for g in groups):
@@ -189,7 +189,9 @@ def _check_types(sched: SchedulerOutput, bad: Callable[[str], None]) -> None:
     for new in sched.scheduled_new_reqs:
         if not isinstance(new.sampling_params, SamplingParams):
             bad(f"request {new.req_id!r}: sampling_params must be a SamplingParams, got {type(new.sampling_params).__name__}")
-        ints(f"request {new.req_id!r}: token ids", [*new.prompt_token_ids, *new.all_prefill_token_ids])
+        ints(f"request {new.req_id!r}: token ids", list(new.prompt_token_ids))
+        if new.prefill_token_ids is not None:
+            ints(f"request {new.req_id!r}: prefill token ids", list(new.prefill_token_ids))
         block_ids(f"request {new.req_id!r}: block_ids", new.block_ids)
     for rid, groups in zip(cached.req_ids, cached.new_block_ids):
         if groups is not None:

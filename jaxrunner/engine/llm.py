@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
-from jaxrunner.checks import is_int
+from jaxrunner.checks import all_ints
 from jaxrunner.engine.engine import LLMEngine, Prompt
 from jaxrunner.engine.engine_args import EngineArgs
 from jaxrunner.engine.outputs import RequestOutput
@@ -156,6 +156,6 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(is_int(t) for t in prompts):
+    if prompts and all_ints(prompts):
         return [prompts]
     return prompts
