@@ -74,7 +74,8 @@ class Runner:
 
     def check_sampling_params(self, params: SamplingParams, prompt_len: int = 0) -> None:
         """Raise a ValueError for parameters this model or runner rules out (token ids, logprob counts)."""
-        prepare_request(params, 0, prompt_len, self.config.sampler, self.model_config.vocab_size)
+        model = self.model_config
+        prepare_request(params, 0, prompt_len, self.config.sampler, model.vocab_size, model.eos_token_ids)
 
     def step(self, state: RunnerState, sched: SchedulerOutput) -> tuple[RunnerState, RunnerOutput]:
         """Run one scheduled batch and wait for its output."""

@@ -18,6 +18,7 @@ import pytest
 import jaxrunner.runner
 from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
 from jaxrunner.cli import main
+from jaxrunner.config import SamplerConfig
 from jaxrunner.engine import EngineArgs
 from jaxrunner.engine.default_model import default_model
 
@@ -199,13 +200,15 @@ def test_nan_logits_end_that_request_with_an_error_and_spare_the_others():
             if poison:  # token 7's embedding is NaN: only a sequence holding it gets NaN logits
                 runner.params = dict(runner.params, embed=runner.params["embed"].at[7].set(np.nan))
             params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-            return llm.generate([[3, 4, 5], [3, 7, 5], [9, 10]], params, use_tqdm=False), llm.llm_engine.stats()
+            chunked = [7] + list(range(10, 90))  # 81 tokens: its first chunk samples nothing
+            return llm.generate([[3, 4, 5], [3, 7, 5], [9, 10], chunked], params, use_tqdm=False), llm.llm_engine.stats()
 
-    (clean, bad, other), stats = run(poison=True)
-    (want_clean, _, want_other), _ = run(poison=False)
-    assert bad.outputs[0].finish_reason == "error" and bad.outputs[0].token_ids == []
-    assert "NaN" in bad.error and bad.outputs[0].num_nans_in_logits > 0
-    assert stats.num_nans_in_logits == bad.outputs[0].num_nans_in_logits
+    (clean, bad, other, bad_chunked), stats = run(poison=True)
+    (want_clean, _, want_other, _), _ = run(poison=False)
+    for out in (bad, bad_chunked):
+        assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+        assert "NaN" in out.error and out.outputs[0].num_nans_in_logits > 0
+    assert stats.num_nans_in_logits == bad.outputs[0].num_nans_in_logits + bad_chunked.outputs[0].num_nans_in_logits
     for got, want in ((clean, want_clean), (other, want_other)):
         assert got.error is None and got.outputs[0].token_ids == want.outputs[0].token_ids
 
@@ -314,3 +317,19 @@ def test_a_small_soak_loses_nothing_and_leaks_nothing():
     report = soak(num_requests=120, seed=1)
     assert report["ok"], report
     assert report["aborted"] > 0 and report["preemptions"] > 0
+
+
+
+def test_the_stop_id_limit_counts_eos_when_the_request_arrives():
+    """The request check and the schedule check agree (EOS counts under min_tokens), so an over-long
+    list fails its own request when it arrives, never a whole schedule later."""
+    cfg, params = default_model()  # EOS (2,)
+    runner = Runner(cfg, params, RunnerConfig(max_num_seqs=2, max_model_len=64, block_size=4, num_blocks=32,
+                                              sampler=SamplerConfig(max_stop_token_ids=3)))
+    too_many = SamplingParams(min_tokens=1, stop_token_ids=[5, 6, 7])  # with EOS: 4 > 3
+    with pytest.raises(ValueError, match="stop token ids"):
+        runner.check_sampling_params(too_many)
+    with pytest.raises(ValueError, match="stop token ids"):
+        new = NewRequestData("a", [5, 6, 7], ([0],), sampling_params=too_many)
+        runner.step(runner.init_state(), SchedulerOutput([new], num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3))
+    runner.check_sampling_params(dataclasses.replace(too_many, stop_token_ids=[5, 6]))

@@ -300,7 +300,7 @@ class LLMEngine:
     def _add_logprobs(self, parent: _Parent, child: _Child, out: RunnerOutput, num_tokens: int) -> None:
         """Keep the rows of the `num_tokens` tokens the child kept, and its prompt logprobs if given."""
         req_id = child.request.req_id
-        if child.logprobs is not None:
+        if child.logprobs is not None and num_tokens:
             rows = out.logprobs[req_id]
             child.logprobs += self._logprob_dicts(rows)[:num_tokens]
             child.cumulative_logprob += sum(rows.logprobs[:num_tokens, 0].tolist())

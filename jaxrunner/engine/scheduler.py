@@ -203,8 +203,7 @@ class Scheduler:
             if self.requests.get(req_id) is not request or request.num_preemptions != preemptions:
                 continue
             request.num_pending_tokens -= expected
-            index = out.req_id_to_index[req_id]
-            sampled = out.sampled_token_ids[index]
+            sampled = out.sampled_token_ids[out.req_id_to_index[req_id]]
             if len(sampled) > expected or (expected and not sampled):
                 raise RuntimeError(f"runner returned {len(sampled)} tokens for request {req_id!r}, expected {expected}")
             if nans := out.num_nans_in_logits.get(req_id, 0):
