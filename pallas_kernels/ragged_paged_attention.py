@@ -186,6 +186,9 @@ def _work_list(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q:
     ], axis=1).astype(jnp.int32)
 
 
+REFERENCE_CHUNK_KEYS = 128  # keys per round of the reference's loop
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def reference_ragged_paged_attention(
     q: jax.Array,
@@ -200,37 +203,56 @@ def reference_ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:
-    """Pure-jnp ragged paged attention: gathers every sequence's whole context, masks, softmaxes
-    in fp32. Memory is O(T * max_context * Hkv * D): for tests and small checks only."""
+    """Pure-jnp ragged paged attention in fp32: each token's keys gathered a chunk of pages at a time,
+    with an online softmax, for as many chunks as the longest context needs (a loop bound read at run
+    time), so a step costs what its contexts hold, not what max_model_len allows."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_slots, max_blocks = block_tables.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_q_heads // num_kv_heads
-    keys = jnp.arange(max_blocks * block_size)
-    pages = block_tables[:, keys // block_size]
-    in_context = (keys[None, :] < seq_lens[:, None])[:, :, None, None]
-    # Zero what lies past each context so that unwritten (even NaN) cache rows cannot leak in.
-    k_seq = jnp.where(in_context, k_cache[pages, keys % block_size].astype(jnp.float32), 0.0)
-    v_seq = jnp.where(in_context, v_cache[pages, keys % block_size].astype(jnp.float32), 0.0)
+    pages_per_chunk = min(max(1, REFERENCE_CHUNK_KEYS // block_size), max_blocks)
+    chunk = pages_per_chunk * block_size
+    num_chunks = -(-max_blocks // pages_per_chunk)
+    table = jnp.pad(block_tables, ((0, 0), (0, num_chunks * pages_per_chunk - max_blocks)))
 
     qsl = query_start_loc
     t = jnp.arange(num_tokens)
     seq = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right"), num_slots - 1)
     token_ok = t < qsl[num_seqs]
-    pos = seq_lens[seq] - (qsl[seq + 1] - qsl[seq]) + (t - qsl[seq])
-    visible = (keys[None, :] <= pos[:, None]) & token_ok[:, None]
-    if sliding_window is not None:
-        visible &= keys[None, :] > pos[:, None] - sliding_window
-
+    context = seq_lens[seq]
+    pos = context - (qsl[seq + 1] - qsl[seq]) + (t - qsl[seq])
+    longest = jnp.max(jnp.where(jnp.arange(num_slots) < num_seqs, seq_lens, 0))
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     hi = jax.lax.Precision.HIGHEST
-    s = jnp.einsum("tkgd,tlkd->tkgl", qg, k_seq[seq], precision=hi) * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-    m = s.max(axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
-    den = p.sum(axis=-1, keepdims=True)
-    p = p / jnp.where(den == 0.0, 1.0, den)
-    out = jnp.einsum("tkgl,tlkd->tkgd", p, v_seq[seq], precision=hi)
+
+    def add_chunk(c, carry):
+        m, den, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, c * pages_per_chunk, pages_per_chunk, axis=1)[seq]
+        keys = c * chunk + jnp.arange(chunk)
+        in_context = keys[None, :] < context[:, None]
+
+        def gather(cache):  # past each context zeros, so unwritten (even NaN) cache rows cannot leak in
+            rows = cache[pages].reshape(num_tokens, chunk, num_kv_heads, head_dim).astype(jnp.float32)
+            return jnp.where(in_context[:, :, None, None], rows, 0.0)
+
+        k, v = gather(k_cache), gather(v_cache)
+        visible = in_context & (keys[None, :] <= pos[:, None]) & token_ok[:, None]
+        if sliding_window is not None:
+            visible &= keys[None, :] > pos[:, None] - sliding_window
+        s = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=hi) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - shift[..., None])
+        scale = jnp.exp(m - shift)
+        den = den * scale + p.sum(axis=-1)
+        acc = acc * scale[..., None] + jnp.einsum("tkgl,tlkd->tkgd", p, v, precision=hi)
+        return m_new, den, acc
+
+    heads = (num_tokens, num_kv_heads, group)
+    init = (jnp.full(heads, -jnp.inf), jnp.zeros(heads), jnp.zeros((*heads, head_dim)))
+    _, den, acc = jax.lax.fori_loop(0, (longest + chunk - 1) // chunk, add_chunk, init)
+    out = acc / jnp.where(den == 0.0, 1.0, den)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -19,7 +19,7 @@ import time
 
 from jaxrunner import LLM, SamplingParams
 
-ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128, "num_gpu_blocks_override": 40,
+ENGINE = {"model": "jaxrunner-tiny-random", "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128, "num_gpu_blocks_override": 40,
           "block_size": 8}
 CANARY = ("The canary sings", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
 WORDS = ["alpha", "beta", "gamma", "delta", "tree", "river", "stone", "cloud", "seven", "blue"]

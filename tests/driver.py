@@ -116,7 +116,9 @@ def chunk_logits(cfg, params, kv, ids, pos, md):
 
 def prompt_logits(cfg, params, prompt: list[int], chunk: int, block_size: int = 8) -> np.ndarray:
     """Logits at every prompt position, prefilling in chunks over shuffled pages."""
-    rc = RunnerConfig(max_num_seqs=1, max_model_len=128, block_size=block_size, num_blocks=64, dtype=str(params["embed"].dtype))
+    length = max(128, -(-len(prompt) // 128) * 128)
+    rc = RunnerConfig(max_num_seqs=1, max_model_len=length, block_size=block_size, num_blocks=max(64, length // block_size),
+                      dtype=str(params["embed"].dtype))
     kv = init_state(cfg, rc).kv
     pages = np.random.default_rng(len(prompt)).permutation(rc.num_blocks)[: rc.max_blocks_per_req].astype(np.int32)
     out = []

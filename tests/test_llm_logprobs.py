@@ -9,9 +9,10 @@ import pytest
 from driver import prompt_logits
 
 from jaxrunner.engine import LLM, Logprob
+from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.sampling_params import SamplingParams
 
-ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128}
+ENGINE = {"model": TINY_MODEL, "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128}
 PROMPT = "A prompt long enough to fill a few KV blocks of sixteen tokens."  # 64 tokens with BOS
 SCORED = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2)
 

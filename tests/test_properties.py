@@ -15,9 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxrunner import LLM, SamplingParams
+from jaxrunner.engine.default_model import TINY_MODEL
 
 VOCAB = 99  # the built-in model's
-ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64, "num_gpu_blocks_override": 12,
+ENGINE = {"model": TINY_MODEL, "max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64, "num_gpu_blocks_override": 12,
           "block_size": 8}
 CANARY = ("Canary", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
 floats = st.floats(allow_nan=False, allow_infinity=False)

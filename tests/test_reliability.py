@@ -20,11 +20,11 @@ from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams,
 from jaxrunner.cli import main
 from jaxrunner.config import SamplerConfig
 from jaxrunner.engine import EngineArgs
-from jaxrunner.engine.default_model import default_model
+from jaxrunner.engine.default_model import TINY_MODEL, default_model
 
 ROOT = Path(__file__).parents[1]
 TINY_LLAMA = ROOT / "tests" / "data" / "models" / "tiny-llama"
-ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 96}
+ENGINE = {"model": TINY_MODEL, "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 96}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -41,7 +41,7 @@ def all_blocks_free(llm: LLM) -> bool:
 
 EXIT_SCRIPT = textwrap.dedent("""
     from jaxrunner import LLM, SamplingParams
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96)
+    llm = LLM("jaxrunner-tiny-random", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96)
     prompts = ["Hello", "abc def", "Once upon"]
     base = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
     stops = [o.outputs[0].text[2] for o in base]
@@ -195,7 +195,7 @@ def test_the_bad_word_length_limit_can_be_raised(llm):
 
 def test_nan_logits_end_that_request_with_an_error_and_spare_the_others():
     def run(poison: bool):
-        with LLM(model=str(TINY_LLAMA), skip_tokenizer_init=True, **ENGINE) as llm:
+        with LLM(**{**ENGINE, "model": str(TINY_LLAMA)}, skip_tokenizer_init=True) as llm:
             runner = llm.llm_engine.runner
             if poison:  # token 7's embedding is NaN: only a sequence holding it gets NaN logits
                 runner.params = dict(runner.params, embed=runner.params["embed"].at[7].set(np.nan))

@@ -16,6 +16,7 @@ from driver import drive
 
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
 from jaxrunner import programs as programs_table
+from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.loader import load_model
 from jaxrunner.models.llama import init_params
 from jaxrunner.models.shapes import shape
@@ -37,7 +38,7 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     """Through the engine: chunked prefill, preemption, prompt logprobs, every sampler variant,
     multi-step decode in one call (plain sampling) and round by round (the others); with the
     Pallas kernels (interpreted here) the decode form of the backbone too."""
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8, num_gpu_blocks_override=16,
+    llm = LLM(TINY_MODEL, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8, num_gpu_blocks_override=16,
               num_scheduler_steps=4, enforce_eager=False, kernels=kernels)
     programs = llm.llm_engine.runner.programs
     # 2 token buckets x (backbone + prompt logprobs) + the decode forms (the 16-token bucket holds a
@@ -57,8 +58,9 @@ def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_blocks=64)
     runner = Runner(cfg, params, config)
     report = runner.warmup()
-    # 3 token buckets x (backbone + prompt logprobs), 3 request buckets x (block write + 6 sampler variants)
-    assert report["programs"] == 3 * 2 + 3 * 7 and report["kv_cache_tokens"] == 512
+    # 3 token buckets x (backbone + prompt logprobs), 3 request buckets x (block write + 6 sampler variants),
+    # and with the Pallas kernels the decode form of the one token bucket a decode batch lands in
+    assert report["programs"] == 3 * 2 + 3 * 7 + runner.kernels.pallas and report["kv_cache_tokens"] == 512
     prompts = [list(range(3, 3 + n)) for n in (5, 30, 61, 12)]
     drive(runner, prompts, 12, params=MIXED, chunk=13, stagger=2, preempt={6: [1], 9: [2, 3]})
     drive(runner, prompts[:2], 6)

@@ -1,6 +1,6 @@
-"""The built-in default model: a tiny Llama-shaped model with random weights and a character-level
-tokenizer, both built in memory, so `jaxrunner generate "Hello"` works on a fresh machine with
-nothing downloaded. Its output is gibberish; it exists to show the machinery, not to write text.
+"""The tiny random model ("jaxrunner-tiny-random"): a Llama-shaped model with random weights and a
+character-level tokenizer, both built in memory, for tests and for machines without the real default
+model (`model_files`). Its output is gibberish; it exists to show the machinery, not to write text.
 
 The tokenizer knows printable ASCII and newline (anything else becomes <unk>), so even random output
 is safe to print to a terminal.
@@ -17,11 +17,7 @@ from tokenizers import Tokenizer, decoders, models, processors
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.llama import Params, init_params
 
-DEFAULT_MODEL_NAME = "jaxrunner-tiny-random"
-DEFAULT_MODEL_NOTICE = (
-    f"No --model given: using the built-in {DEFAULT_MODEL_NAME} model (random weights, nothing downloaded; "
-    "its output is gibberish). Pass --model DIR for a Hugging Face checkpoint."
-)
+TINY_MODEL = "jaxrunner-tiny-random"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 CHARACTERS = "\n" + "".join(c for c in string.printable if c.isprintable())
 SEED = 0

@@ -45,6 +45,7 @@ from jaxrunner.engine.engine_args import (
     scheduler_config,
     warm_up,
 )
+from jaxrunner.engine.model_files import local_model
 from jaxrunner.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
@@ -114,6 +115,9 @@ def load_tokenizer(args: EngineArgs):
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
+        if args.load_format == "auto":  # the model's files on local disk (None: the tiny random model)
+            need_tokenizer = args.tokenizer is None and not args.skip_tokenizer_init
+            args = dataclasses.replace(args, model=local_model(args.model, need_tokenizer))
         self.args = args
         self._closed = False
         checkpoint = open_model(args)  # before the tokenizer: a bad path or file is named as such

@@ -20,6 +20,7 @@ from jaxrunner import platform
 from jaxrunner.checks import check_bool, check_int, is_real
 from jaxrunner.config import KERNEL_CHOICES, ModelConfig, RunnerConfig, SamplerConfig
 from jaxrunner.engine.default_model import default_model
+from jaxrunner.engine.model_files import cache_dir
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.loader import Checkpoint, open_checkpoint
 from jaxrunner.models.llama import Params, init_params
@@ -31,21 +32,23 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+CPU_KV_CACHE_BYTES = 2**30
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """`model`: a local Hugging Face checkpoint directory, or None for the built-in tiny model.
-    `tokenizer`: defaults to `model`. `skip_tokenizer_init`: no tokenizer; prompts must be token
+    """`model`: a Hugging Face checkpoint directory, a GGUF file (or a directory holding one), a Hub
+    id "org/name", "jaxrunner-tiny-random", or None for the default model (see `model_files`).
+    `tokenizer`: defaults to `model`'s. `skip_tokenizer_init`: no tokenizer; prompts must be token
     ids and outputs have empty text. `gpu_memory_utilization`: the fraction of device memory the
     weights plus the KV cache may use (ignored on CPU); `num_gpu_blocks_override` fixes the number
     of KV blocks instead. `max_logprobs`: the most logprobs a request may ask for (-1: the whole
     vocabulary); `logprobs_mode`: raw_logprobs, raw_logits, processed_logprobs or processed_logits.
     `enforce_eager`: skip compiling every bucket at start-up (they then compile when first used);
-    by default start-up compiles them on a GPU, with JAX's persistent cache in ~/.cache/jaxrunner,
-    and skips it on a CPU. `load_format` "dummy": random weights in the model's shape, where `model`
-    is a checkpoint directory (only its config.json is read) or a benchmark shape name
-    (`jaxrunner.models.shapes.SHAPES`). `num_scheduler_steps`: decode steps per device call when a
+    by default start-up compiles them on a GPU and skips it on a CPU; either way compiled programs
+    are kept in JAX's persistent cache under `model_files.cache_dir()`. `load_format` "dummy": random
+    weights in the model's shape, where `model` is a checkpoint directory (only its config.json is
+    read) or a benchmark shape name (`jaxrunner.models.shapes.SHAPES`). `num_scheduler_steps`: decode steps per device call when a
     batch is all decodes (multi-step decode). `async_scheduling`: dispatch each step before the
     previous step's output reaches the host. `max_bad_word_len`: the most tokens a bad word may have
     (the sampler's bad-word arrays are this wide). `kernels`: "auto" (Pallas on a GPU, the jnp
@@ -145,7 +148,7 @@ def runner_config(args: EngineArgs, model: ModelConfig, params: Params, dtype: s
         num_scheduler_steps=args.num_scheduler_steps,
         sampler=args.sampler_config(),
         kernels=args.kernels,
-        compilation_cache_dir="~/.cache/jaxrunner/xla" if gpu else None,
+        compilation_cache_dir=os.path.join(cache_dir(), "xla"),
     )
     cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes))
     if cfg.num_blocks * cfg.block_size < max_model_len:
@@ -169,12 +172,13 @@ def scheduler_config(cfg: RunnerConfig) -> SchedulerConfig:
 def _num_blocks(args: EngineArgs, model: ModelConfig, params: Params, cfg: RunnerConfig) -> int:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (measured from its compiled executables)
-    are set aside. On CPU: enough for every sequence at full length."""
+    are set aside. On CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but
+    always room for one sequence at full length)."""
     stats = jax.devices()[0].memory_stats() if platform.on_gpu() else None
-    if not stats:
-        return cfg.max_num_seqs * cfg.max_blocks_per_req
-    activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1)).peak_step_bytes()
     per_block = kv_cache_bytes(model, dataclasses.replace(cfg, num_blocks=1))
+    if not stats:
+        return max(cfg.max_blocks_per_req, min(cfg.max_num_seqs * cfg.max_blocks_per_req, CPU_KV_CACHE_BYTES // per_block))
+    activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1)).peak_step_bytes()
     blocks = kv_blocks_that_fit(stats["bytes_limit"], stats["bytes_in_use"], activations, args.gpu_memory_utilization, per_block)
     logger.info("KV cache sizing: %.2f GiB device, %.2f GiB in use (weights), %.2f GiB for the largest step's "
                 "activations: %d blocks", stats["bytes_limit"] / 2**30, stats["bytes_in_use"] / 2**30, activations / 2**30, blocks)

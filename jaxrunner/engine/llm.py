@@ -4,7 +4,8 @@
     for out in llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, max_tokens=32)):
         print(out.outputs[0].text)
 
-`LLM()` with no model uses the built-in tiny random model (see `default_model`).
+`LLM()` with no model uses the built-in default model (see `model_files`); `chat` applies the
+tokenizer's chat template first.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from tqdm import tqdm
 
 from jaxrunner.checks import all_ints
+from jaxrunner.engine.chat import Conversation, render_chat
 from jaxrunner.engine.engine import LLMEngine, Prompt
 from jaxrunner.engine.engine_args import EngineArgs
 from jaxrunner.engine.outputs import RequestOutput
@@ -78,6 +80,30 @@ class LLM:
             bar.close()
             self._release(request_ids)
         return [finished[rid] for rid in request_ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """vLLM's chat: each conversation ([{"role": "user", "content": "Hi"}, ...], or a list of them)
+        rendered with the tokenizer's chat template (or `chat_template`), then generated."""
+        prompts = self.render_chat(messages, chat_template, add_generation_prompt, continue_final_message)
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[dict]:
+        """The prompts `chat` would generate from, for `generate_stream`."""
+        return render_chat(self.get_tokenizer(), messages, chat_template, add_generation_prompt, continue_final_message)
 
     def generate_stream(
         self,

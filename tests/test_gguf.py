@@ -1,0 +1,181 @@
+"""GGUF checkpoints: the tiny safetensors models written as GGUF the way llama.cpp's converter writes
+them (its tensor names, its q/k row order for the Llama family, quantized or not) load as the same
+params, generate the same tokens, convert once into the cache, and fail clearly when unsupported."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from safetensors.numpy import load_file
+
+from jaxrunner import LLM, SamplingParams
+from jaxrunner.engine import model_files
+from jaxrunner.loader import SavedParams, load_model, open_checkpoint
+
+MODELS = Path(__file__).parent / "data" / "models"
+ARCH = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3"}
+# Hugging Face name -> llama.cpp's, for the tensors of one layer.
+LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+         "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+       "lm_head.weight": "output.weight"}
+
+
+def gguf_name(name: str) -> str:
+    if name in TOP:
+        return TOP[name]
+    if not name.startswith("model.layers."):
+        return name
+    _, _, layer, rest = name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{LAYER[module]}.{kind}"
+
+
+def rotary_interleave(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, model: str, qtype: Q = Q.F32, arch: str | None = None, extra: dict | None = None) -> Path:
+    arch = arch or ARCH[model]
+    hf = json.loads((MODELS / model / "config.json").read_text())
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    if hf.get("head_dim"):
+        w.add_key_length(hf["head_dim"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list([f"t{i}" for i in range(hf["vocab_size"])])
+    w.add_token_merges([])
+    w.add_token_types([3, 3, 3] + [1] * (hf["vocab_size"] - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    tensors = {k: v for f in sorted((MODELS / model).glob("*.safetensors")) for k, v in load_file(f).items()}
+    for name, tensor in {**tensors, **(extra or {})}.items():
+        if arch == "llama" and name.endswith((".q_proj.weight", ".k_proj.weight")):
+            tensor = rotary_interleave(tensor, heads if ".q_proj" in name else kv_heads)
+        tensor = tensor.astype(np.float32)
+        if qtype != Q.F32 and tensor.ndim == 2:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(name), tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("model", sorted(ARCH))
+def test_gguf_weights_equal_the_safetensors_weights(model, tmp_path):
+    checkpoint = open_checkpoint(write_gguf(tmp_path / f"{model}.gguf", model))
+    cfg, want = load_model(MODELS / model)
+    got = checkpoint.load()
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    fields = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps",
+              "rope_theta", "tie_word_embeddings", "qkv_bias", "qk_norm", "architecture")
+    assert {f: getattr(checkpoint.config, f) for f in fields} == {f: getattr(cfg, f) for f in fields}
+
+
+def test_quantized_gguf_dequantizes_within_its_step(tmp_path):
+    checkpoint = open_checkpoint(write_gguf(tmp_path / "q8.gguf", "tiny-llama", Q.Q8_0))
+    _, want = load_model(MODELS / "tiny-llama")
+    got = checkpoint.load()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        step = np.abs(b).max() / 127  # Q8_0: 8-bit steps of each block's absmax
+        assert np.abs(a - b).max() <= step and (a.ndim == 1 or not np.array_equal(a, b))
+
+
+def test_gguf_generates_the_safetensors_tokens_and_converts_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny-qwen3.gguf", "tiny-qwen3")
+    engine = {"max_model_len": 64, "max_num_seqs": 2, "max_num_batched_tokens": 32, "skip_tokenizer_init": True}
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 17, 99, 3], [400, 12, 7, 7, 7, 31]]
+
+    def tokens(model: str) -> list[list[int]]:
+        with LLM(model=model, **engine) as llm:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)], llm.llm_engine.args.model
+
+    want, _ = tokens(str(MODELS / "tiny-qwen3"))
+    got, converted = tokens(str(path))
+    assert got == want
+    assert converted.startswith(str(tmp_path / "cache")) and isinstance(open_checkpoint(converted), SavedParams)
+
+    def no_second_conversion(*args):
+        raise AssertionError("the GGUF file was read again")
+
+    monkeypatch.setattr(model_files, "open_checkpoint", no_second_conversion)
+    again, cached = tokens(str(tmp_path))  # the directory holding the one GGUF file
+    assert again == want and cached == converted
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"arch": "gemma3"}, "'gemma3' model"),
+        ({"qtype": Q.Q8_1}, "Q8_1"),
+        ({"extra": {"rope_freqs.weight": np.ones(8, np.float32)}}, "rope scaling"),
+    ],
+)
+def test_unsupported_gguf_files_fail_with_one_line(kwargs, message, tmp_path):
+    if "qtype" in kwargs:  # a type gguf cannot dequantize, written as raw bytes of the right size
+        path = write_gguf(tmp_path / "m.gguf", "tiny-qwen3", extra={})
+        w = gguf.GGUFWriter(str(tmp_path / "raw.gguf"), "qwen3")
+        reader = gguf.GGUFReader(path)
+        for key, field in reader.fields.items():
+            if not key.startswith(("GGUF.", "general.architecture")):
+                value = field.contents()
+                if isinstance(value, list):
+                    w.add_array(key, value)
+                elif isinstance(value, str):
+                    w.add_string(key, value)
+                elif isinstance(value, float):
+                    w.add_float32(key, value)
+                else:
+                    w.add_uint32(key, value)
+        for t in reader.tensors:
+            shape = tuple(int(n) for n in reversed(t.shape))
+            if len(shape) == 2:
+                raw = np.zeros(gguf.quant_shape_to_byte_shape(shape, Q.Q8_1), np.uint8)
+                w.add_tensor(t.name, raw, raw_dtype=Q.Q8_1)
+            else:
+                w.add_tensor(t.name, np.asarray(t.data))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        path = tmp_path / "raw.gguf"
+    else:
+        path = write_gguf(tmp_path / "m.gguf", "tiny-qwen3", **kwargs)
+    with pytest.raises(ValueError, match=message) as info:
+        open_checkpoint(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_directory_with_two_gguf_files_asks_which(tmp_path):
+    for name in ("a.gguf", "b.gguf"):
+        write_gguf(tmp_path / name, "tiny-qwen3")
+    with pytest.raises(ValueError, match="several GGUF files"):
+        open_checkpoint(tmp_path)
+    assert os.path.isfile(tmp_path / "a.gguf")
