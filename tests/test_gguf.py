@@ -179,3 +179,21 @@ def test_a_directory_with_two_gguf_files_asks_which(tmp_path):
     with pytest.raises(ValueError, match="several GGUF files"):
         open_checkpoint(tmp_path)
     assert os.path.isfile(tmp_path / "a.gguf")
+
+
+def test_an_unwritable_cache_is_named(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("JAXRUNNER_CACHE", str(blocker))
+    with pytest.raises(ValueError, match="JAXRUNNER_CACHE"):
+        model_files.converted(str(write_gguf(tmp_path / "m.gguf", "tiny-qwen3")))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_gguf_file_is_named(damage, tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", "tiny-qwen3")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a GGUF file" * 8)
+    with pytest.raises(ValueError, match="cannot read the GGUF file") as info:
+        open_checkpoint(path)
+    assert str(path) in str(info.value)

@@ -113,8 +113,12 @@ def converted(gguf: str, need_tokenizer: bool = True) -> str:
             raise
         tokenizer = None
     logger.warning("converting %s once into %s", gguf, out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    work = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(out))
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        work = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(out))
+    except OSError as e:
+        raise ValueError(f"cannot write the converted model under {cache_dir()!r} ({e}); "
+                         "set JAXRUNNER_CACHE to a writable directory") from None
     try:
         checkpoint.tensors.hf_config().save_pretrained(work)
         if tokenizer is not None:
