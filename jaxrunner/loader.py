@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxrunner.config import ModelConfig
 from jaxrunner.gguf_file import GGUFFile, gguf_path, open_gguf
-from jaxrunner.models.llama import Params, fused_parts, param_shapes
+from jaxrunner.models.llama import Params, fused_parts, param_shapes, param_structs
 
 # Our name -> (Hugging Face names, stored transposed?). HF linear weights are [out, in]; ours are
 # [in, out]. A tensor with several HF names is their concatenation along its last axis (llama.fused_parts).
@@ -92,9 +92,7 @@ class SavedParams:
         """Every param restored straight onto the device in `dtype` (orbax casts as it reads)."""
         import orbax.checkpoint as ocp
 
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=device),
-                              param_shapes(self.config), is_leaf=_is_shape)
+        target = param_structs(self.config, dtype, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         try:
             return ocp.StandardCheckpointer().restore(os.path.join(self.path, PARAMS_DIR), target)
         except (OSError, ValueError, KeyError) as e:
@@ -108,10 +106,6 @@ def save_params(path: str, params: Params) -> None:
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.join(os.path.abspath(path), PARAMS_DIR), params)
     checkpointer.wait_until_finished()
-
-
-def _is_shape(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint | SavedParams:

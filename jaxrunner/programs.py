@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
 from jaxrunner.input_batch import RequestTable, build_inputs
-from jaxrunner.models.llama import param_shapes
+from jaxrunner.models.llama import param_structs
 from jaxrunner.program_cache import ProgramCache
 from jaxrunner.sampling import SamplerFlags, flag_variants, neutral_metadata
 from jaxrunner.state import init_state
@@ -70,8 +70,7 @@ class Context:
     @functools.cached_property
     def params(self) -> dict:
         """The params' shapes and dtype (every weight is in the runner's dtype)."""
-        is_shape = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)  # noqa: E731
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, self.dtype), param_shapes(self.model), is_leaf=is_shape)
+        return param_structs(self.model, self.dtype)
 
     @functools.cached_property
     def state(self):

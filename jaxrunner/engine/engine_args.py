@@ -48,10 +48,10 @@ class EngineArgs:
     by default start-up compiles them on a GPU and skips it on a CPU; either way compiled programs
     are kept in JAX's persistent cache under `model_files.cache_dir()`. `load_format` "dummy": random
     weights in the model's shape, where `model` is a checkpoint directory (only its config.json is
-    read) or a benchmark shape name (`jaxrunner.models.shapes.SHAPES`). `num_scheduler_steps`: decode steps per device call when a
-    batch is all decodes (multi-step decode). `async_scheduling`: dispatch each step before the
-    previous step's output reaches the host. `max_bad_word_len`: the most tokens a bad word may have
-    (the sampler's bad-word arrays are this wide). `kernels`: "auto" (Pallas on a GPU, the jnp
+    read) or a benchmark shape name (`jaxrunner.models.shapes.SHAPES`). `num_scheduler_steps`: decode
+    steps per device call when a batch is all decodes (multi-step decode). `async_scheduling`:
+    dispatch each step before the previous step's output reaches the host. `max_bad_word_len`: the
+    most tokens a bad word may have (the sampler's bad-word arrays are this wide). `kernels`: "auto" (Pallas on a GPU, the jnp
     references elsewhere), "pallas" (interpreted off a GPU) or "reference"."""
 
     model: str | None = None

@@ -8,16 +8,7 @@ its vocabulary, merges, token types and special ids, and names its pre-tokenizer
 
 from __future__ import annotations
 
-from tokenizers import (
-    AddedToken,
-    Regex,
-    Tokenizer,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-)
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from jaxrunner.gguf_file import GGUFFile
 
@@ -67,9 +58,9 @@ def gguf_tokenizer(gguf: GGUFFile):
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         return None if i is None else tokens[i]
 
-    bos = token("bos")
+    bos, bos_id = token("bos"), meta.get("tokenizer.ggml.bos_token_id")
     if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tokens.index(bos))])
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=bos, eos_token=token("eos"), unk_token=token("unknown"),
         pad_token=token("padding"), chat_template=meta.get("tokenizer.chat_template"),

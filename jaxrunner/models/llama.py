@@ -60,6 +60,13 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
+def param_structs(cfg: ModelConfig, dtype: str, sharding: jax.sharding.Sharding | None = None):
+    """Every param as a `jax.ShapeDtypeStruct` in `dtype` (on `sharding`): the params without data,
+    for ahead-of-time compiles and for restoring saved params into place."""
+    return jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), param_shapes(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(n, int) for n in x))
+
+
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: str = "float32", std: float = 0.02) -> Params:
     """Random weights in the model's shapes (norm weights are ones), for tests and benchmarks.
 
