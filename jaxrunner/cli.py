@@ -99,6 +99,8 @@ def _add_bench_parser(commands) -> None:
     latency.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     latency.add_argument("--new", type=int, default=256, help="new tokens (default 256)")
     latency.add_argument("--iters", type=int, default=3, help="timed generations after the warm-up (median reported)")
+    latency.add_argument("--oracle", type=int, default=0, metavar="K",
+                         help="speculative decoding with K drafts a step that are always right (the upper bound)")
     throughput = workloads.add_parser("throughput", help="W2: many requests, output tokens per second")
     throughput.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     throughput.add_argument("--num-prompts", type=int, default=256)
@@ -111,16 +113,19 @@ def _add_bench_parser(commands) -> None:
         workload.add_argument("--seed", type=int, default=0, help="prompts and weights")
         workload.add_argument("--no-peer", dest="peer", action="store_false", help="skip the HF transformers peer")
         workload.add_argument("--json", metavar="PATH", help="write the result there (and to $OUT/<workload>.json)")
+        workload.add_argument("--speculative-config", type=json.loads, metavar="JSON",
+                              help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def bench(args: argparse.Namespace) -> int:
     from jaxrunner.bench import latency, throughput
 
     common = dict(shape_name=args.shape, num_scheduler_steps=args.num_scheduler_steps,
-                  async_scheduling=args.async_scheduling, seed=args.seed, peer=args.peer)
+                  async_scheduling=args.async_scheduling, seed=args.seed, peer=args.peer,
+                  speculative_config=args.speculative_config)
     if args.workload == "latency":
         module = latency
-        result = latency.run(prompt=args.prompt, new=args.new, iters=args.iters, **common)
+        result = latency.run(prompt=args.prompt, new=args.new, iters=args.iters, oracle=args.oracle, **common)
     else:
         module = throughput
         result = throughput.run(num_prompts=args.num_prompts, min_prompt=args.min_prompt,

@@ -179,6 +179,66 @@ class SamplerConfig:
         return vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`); `num_speculative_tokens` = 0: off.
+
+    Each decode step of a request verifies up to `num_speculative_tokens` (k) draft tokens in one
+    forward pass of 1 + k query tokens, and keeps 1 to k + 1 tokens. The drafts are made on the
+    device right after each step's sampling: "ngram" looks the request's last `prompt_lookup_max`
+    down to `prompt_lookup_min` tokens up in its earlier tokens and proposes what followed them;
+    "draft_model" runs `model` (a smaller checkpoint with the target's vocabulary) k steps ahead.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        where = "speculative_config"
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"{where}: method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        for name, low in (("num_speculative_tokens", 0), ("prompt_lookup_max", 1), ("prompt_lookup_min", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{where}: {name} must be an integer >= {low}, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"{where}: prompt_lookup_min={self.prompt_lookup_min} exceeds "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(f"{where}: method 'draft_model' needs model=DIR (a checkpoint with the target's "
+                             "vocabulary), and only it takes a model")
+
+    @classmethod
+    def from_dict(cls, config: dict) -> SpeculativeConfig:
+        """vLLM's dict form; "num_speculative_tokens" is required, as there."""
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        if unknown := sorted(set(config) - known):
+            raise ValueError(f"speculative_config: unsupported keys {unknown}; jaxrunner takes {sorted(known)}")
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        if config.get("method", "ngram") == "draft_model" and "model" not in config:
+            raise ValueError("speculative_config: method 'draft_model' needs model=DIR")
+        return cls(**config)
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a step writes past its scheduled tokens: the draft model's k proposals (it computes
+        the KV of the last kept token and of its first k - 1 drafts); their blocks must be there."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
 KERNEL_CHOICES = ("auto", "pallas", "reference")
 
 
@@ -209,6 +269,7 @@ class RunnerConfig:
     `max_num_seqs` request slots, each up to `max_model_len` tokens; at most `max_num_batched_tokens`
     tokens per step; a paged KV cache of `num_blocks` blocks of `block_size` tokens.
     `num_scheduler_steps`: the decode steps of a multi-step call (warm-up compiles its loop).
+    `speculative`: speculative decoding (not with multi-step decode).
     `kernels`: "auto", "pallas" or "reference" (see `Kernels.choose`). `compilation_cache_dir` turns
     on JAX's persistent compilation cache (process-wide) there, and the runner's program cache in
     its `programs` folder (`program_cache`: found without lowering).
@@ -223,6 +284,7 @@ class RunnerConfig:
     seed: int = 0
     num_scheduler_steps: int = 1
     sampler: SamplerConfig = SamplerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     kernels: str = "auto"
     compilation_cache_dir: str | None = None
     token_buckets: tuple[int, ...] = field(default=())
@@ -237,6 +299,9 @@ class RunnerConfig:
             raise ValueError(f"RunnerConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"RunnerConfig.kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if self.speculative.enabled and self.num_scheduler_steps > 1:
+            raise ValueError("speculative decoding and multi-step decode (num_scheduler_steps > 1) do not combine; "
+                             "use one of them")
         if not self.token_buckets:
             lo = min(16, self.max_num_batched_tokens)
             object.__setattr__(self, "token_buckets", _powers_of_two(lo, self.max_num_batched_tokens))

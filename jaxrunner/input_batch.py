@@ -73,7 +73,9 @@ class RequestTable:
         cached = sched.scheduled_cached_reqs
         for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             extra = tuple(blocks[0]) if blocks else ()
-            rows[rid] = replace(rows[rid], block_ids=rows[rid].block_ids + extra, num_computed=computed)
+            row = rows[rid]
+            known = computed + 1 if is_relative(row, cfg) else row.num_tokens
+            rows[rid] = replace(row, block_ids=row.block_ids + extra, num_computed=computed, num_tokens=known)
         dirty = [n.req_id for n in sched.scheduled_new_reqs]
         dirty += [rid for rid, blocks in zip(cached.req_ids, cached.new_block_ids) if blocks and blocks[0]]
         return RequestTable(rows, tuple(free)), dirty
@@ -87,9 +89,19 @@ class RequestTable:
             rows[rid] = replace(row, num_computed=row.num_computed + n, num_tokens=row.num_tokens + sampled.get(rid, 0))
         return RequestTable(rows, self.free_slots)
 
+    def num_drafts(self, rid: str, sched: SchedulerOutput) -> int:
+        return len(sched.scheduled_spec_decode_tokens.get(rid, ()))
+
     def decode_steps(self, rid: str, num_steps: int, max_model_len: int) -> int:
         row = self.rows[rid]
         return decode_steps(num_steps, row.num_tokens, row.num_tokens - row.prompt_len, row.sampling_params, max_model_len)
+
+
+def is_relative(row: RequestRow, cfg: RunnerConfig) -> bool:
+    """Whether the row's length is the device's to know: with speculative decoding, once the row
+    has sampled tokens (a step keeps 1 to k + 1 of them). The host then holds an upper bound,
+    the scheduler's (which assumes every draft in flight accepted)."""
+    return cfg.speculative.enabled and row.num_tokens > len(row.prefill_token_ids)
 
 
 def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab_size: int) -> None:
@@ -121,8 +133,7 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
         )
     if sched.num_steps < 1:
         bad(f"num_steps must be at least 1, got {sched.num_steps}")
-    if sched.scheduled_spec_decode_tokens:
-        bad("speculative decoding is not supported yet: leave scheduled_spec_decode_tokens empty")
+    _check_drafts(table, sched, cfg, vocab_size, scheduled, bad)
     total = sum(sched.num_scheduled_tokens.values())
     if total != sched.total_num_scheduled_tokens:
         bad(f"total_num_scheduled_tokens={sched.total_num_scheduled_tokens} but the per-request counts sum to {total}")
@@ -149,8 +160,10 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
             bad(f"request {rid!r}: block ids {outside[:5]} outside the cache (num_blocks={cfg.num_blocks})")
         if len(block_ids) > cfg.max_blocks_per_req:
             bad(f"request {rid!r}: {len(block_ids)} blocks exceed max_model_len / block_size = {cfg.max_blocks_per_req}")
+        reach = min(reach + cfg.speculative.num_lookahead_tokens, cfg.max_model_len)
         if len(block_ids) * cfg.block_size < reach:
-            bad(f"request {rid!r}: {len(block_ids)} blocks cannot hold {reach} tokens (block_size={cfg.block_size})")
+            ahead = " (with the draft model's lookahead)" if cfg.speculative.num_lookahead_tokens else ""
+            bad(f"request {rid!r}: {len(block_ids)} blocks cannot hold {reach} tokens{ahead} (block_size={cfg.block_size})")
 
     for new in sched.scheduled_new_reqs:
         tokens = new.all_prefill_token_ids
@@ -167,7 +180,41 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
         if blocks is not None and len(blocks) != 1:
             bad(f"request {rid!r}: new_block_ids must hold one list (one KV-cache group)")
         all_blocks = list(row.block_ids) + (list(blocks[0]) if blocks else [])
-        check_request(rid, all_blocks, computed, row.num_tokens, row.prompt_len, row.sampling_params)
+        known = computed + 1 + len(sched.scheduled_spec_decode_tokens.get(rid, ())) if is_relative(row, cfg) else row.num_tokens
+        check_request(rid, all_blocks, computed, known, row.prompt_len, row.sampling_params)
+
+
+def _check_drafts(
+    table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab_size: int, scheduled: set[str],
+    bad: Callable[[str], None],
+) -> None:
+    """Drafts go with decodes of requests that sampled before, 1 + len(drafts) tokens scheduled;
+    -1 stands for the draft the device proposed there (vLLM's placeholder)."""
+    drafts = sched.scheduled_spec_decode_tokens
+    if not drafts:
+        return
+    k = cfg.speculative.num_speculative_tokens
+    if not k:
+        bad("scheduled_spec_decode_tokens given, but speculative decoding is off: set "
+            "RunnerConfig.speculative (speculative_config) or leave it empty")
+    if sched.num_steps != 1:
+        bad("speculative decoding runs one step per call: num_steps must be 1 with scheduled_spec_decode_tokens")
+    for rid, ids in drafts.items():
+        if rid not in scheduled:
+            bad(f"scheduled_spec_decode_tokens names {rid!r}, which is not scheduled")
+        if not isinstance(ids, (list, tuple)) or not all_ints(ids):
+            bad(f"request {rid!r}: draft tokens must be a list of integers, got {ids!r:.60}")
+        if len(ids) > k:
+            bad(f"request {rid!r}: {len(ids)} draft tokens exceed num_speculative_tokens={k}")
+        if outside := [t for t in ids if not -1 <= t < vocab_size]:
+            bad(f"request {rid!r}: draft token ids {outside[:5]} outside the vocabulary (size {vocab_size}; "
+                "-1: the device's draft)")
+        row = table.rows.get(rid)
+        if row is None or not is_relative(row, cfg) or rid in sched.preempted_req_ids | sched.finished_req_ids:
+            bad(f"request {rid!r} has no sampled token yet: drafts follow a request's decodes only")
+        if sched.num_scheduled_tokens[rid] != 1 + len(ids):
+            bad(f"request {rid!r}: a decode with {len(ids)} drafts schedules {1 + len(ids)} tokens, "
+                f"not {sched.num_scheduled_tokens[rid]}")
 
 
 def _check_types(sched: SchedulerOutput, bad: Callable[[str], None]) -> None:
@@ -212,8 +259,11 @@ def build_inputs(
     vocab_size: int,
     t_bucket: int,
     b_bucket: int,
+    drafts: dict[str, list[int]] | None = None,
 ) -> tuple[TokenInputs, SampleInputs, SamplerFlags, set[str]]:
-    """Padded arrays for one step, the sampler's static flags, and the requests that sample a token."""
+    """Padded arrays for one step, the sampler's static flags, and the requests that sample a token.
+    `drafts`: the scheduled draft tokens per request (speculative decoding)."""
+    drafts = drafts or {}
     r, s = cfg.max_num_seqs, cfg.max_num_seqs
     token_ids = np.full(t_bucket, -1, np.int32)
     token_rows = np.full(t_bucket, r, np.int32)
@@ -222,29 +272,43 @@ def build_inputs(
     seq_lens = np.zeros(s, np.int32)
     seq_rows = np.zeros(s, np.int32)
     commit_rows = np.full(b_bucket, r, np.int32)
+    relative, seq_relative, num_drafts = np.zeros(t_bucket, bool), np.zeros(s, bool), np.zeros(s, np.int32)
+    sample_positions = []
     sampled = set()
     start = 0
     for i, rid in enumerate(order):
         row, n = table.rows[rid], scheduled[rid]
-        end = row.num_computed + n
-        from_host = row.prefill_token_ids[row.num_computed : end]  # the rest are sampled tokens, on the device
-        token_ids[start : start + len(from_host)] = from_host
+        if is_relative(row, cfg):  # the last kept token and the drafts, at offsets from the device length
+            ids = drafts.get(rid, [])
+            token_ids[start + 1 : start + n] = ids
+            positions[start : start + n] = np.arange(n, dtype=np.int32)
+            relative[start : start + n] = seq_relative[i] = True
+            num_drafts[i], end = len(ids), n
+            sample_positions.append(row.prompt_len)  # a lower bound: min_tokens is then checked on the device
+        else:
+            end = row.num_computed + n
+            from_host = row.prefill_token_ids[row.num_computed : end]  # the rest are sampled tokens, on the device
+            token_ids[start : start + len(from_host)] = from_host
+            positions[start : start + n] = np.arange(row.num_computed, end, dtype=np.int32)
+            sample_positions.append(end)
         token_rows[start : start + n] = row.slot
-        positions[start : start + n] = np.arange(row.num_computed, end, dtype=np.int32)
         start += n
         qsl[i + 1] = start
         seq_lens[i] = end
         seq_rows[i] = row.slot
-        if end == row.num_tokens:
+        if is_relative(row, cfg) or end == row.num_tokens:
             sampled.add(rid)
             commit_rows[i] = row.slot
     qsl[len(order) + 1 :] = start
-    tokens = TokenInputs(token_ids, token_rows, positions, qsl, seq_lens, seq_rows, np.int32(len(order)))
+    tokens = TokenInputs(token_ids, token_rows, positions, qsl, seq_lens, seq_rows, np.int32(len(order)), relative,
+                         seq_relative, num_drafts)
     md, flags = build_sampling_metadata(
-        [table.rows[rid].sampling for rid in order], seq_lens[: len(order)], b_bucket, cfg.sampler, vocab_size,
+        [table.rows[rid].sampling for rid in order], sample_positions, b_bucket, cfg.sampler, vocab_size,
         flag_variants(cfg.sampler, vocab_size),
     )
-    return tokens, SampleInputs(commit_rows, seq_rows[:b_bucket], md), flags, sampled
+    md.positions[: len(order)][seq_relative[: len(order)]] = 0
+    samples = SampleInputs(commit_rows, seq_rows[:b_bucket], md, seq_relative[:b_bucket].copy(), num_drafts[:b_bucket].copy())
+    return tokens, samples, flags, sampled
 
 
 def block_table_rows(table: RequestTable, req_ids: list[str], cfg: RunnerConfig, bucket: int) -> tuple[np.ndarray, np.ndarray]:

@@ -14,24 +14,28 @@ from jaxrunner.step_io import LogprobsArrays, RunnerOutput
 @dataclass(frozen=True)
 class PendingOutput:
     """`steps[rid]` tokens were sampled for each request that samples (device arrays in `sampled`,
-    [B] for one step or [num_steps, B], batch column i for `req_ids[i]`). `num_top[rid]` is the number
-    of top logprobs it asked for (-1: none)."""
+    [B] for one step or [num_steps, B], batch column i for `req_ids[i]`); with speculative decoding,
+    at most that many: `num_kept` [B] says how many. `num_top[rid]` is the number of top logprobs it
+    asked for (-1: none)."""
 
     req_ids: list[str]
     steps: dict[str, int]
     num_top: dict[str, int]
     sampled: SamplerOutput | None  # None for an empty step
     prompt_logprobs: dict[str, LogprobsArrays]
+    num_kept: jax.Array | None = None  # speculative decoding only
 
     def get(self) -> RunnerOutput:
         if not self.req_ids:
             return RunnerOutput([], {}, [])
-        out = jax.device_get(self.sampled)
+        out, kept = jax.device_get((self.sampled, self.num_kept))
         if out.tokens.ndim == 1:  # a single step
             out = jax.tree.map(lambda x: x[None], out)
         tokens, logprobs, nans = [], {}, {}
         for i, rid in enumerate(self.req_ids):
             n = self.steps.get(rid, 0)
+            if kept is not None and n:
+                n = min(n, int(kept[i]))
             tokens.append(out.tokens[:n, i].tolist())
             nans[rid] = int(np.sum(out.num_nans[: max(n, 1), i]))
             if n and self.num_top[rid] >= 0:

@@ -43,6 +43,7 @@ from jaxrunner.step import (
     forward_step,
     prompt_logprobs_step,
     sample_step,
+    spec_sample_step,
     write_block_rows,
 )
 
@@ -66,6 +67,7 @@ class Context:
     config: RunnerConfig
     kernels: Kernels
     dtype: str
+    draft_model: ModelConfig | None = None  # speculative decoding with a draft model
 
     @functools.cached_property
     def params(self) -> dict:
@@ -73,8 +75,17 @@ class Context:
         return param_structs(self.model, self.dtype)
 
     @functools.cached_property
+    def draft_params(self) -> dict:
+        return param_structs(self.draft_model, self.dtype) if self.draft_model is not None else {}
+
+    @functools.cached_property
     def state(self):
-        return jax.eval_shape(functools.partial(init_state, self.model, self.config))
+        return jax.eval_shape(functools.partial(init_state, self.model, self.config, self.draft_model))
+
+    @property
+    def spec_tokens(self) -> int:
+        """Drafts per request per step (0: no speculative decoding)."""
+        return self.config.speculative.num_speculative_tokens
 
     @functools.cached_property
     def sampler_variants(self) -> tuple[SamplerFlags, ...]:
@@ -86,13 +97,14 @@ class Context:
         return self.kernels.pallas
 
     def uniform_decode(self, num_scheduled: dict[str, int]) -> bool:
-        """Whether a batch runs the backbone's decode form: there is one, and every query is one token."""
-        return self.decode_form and all(n == 1 for n in num_scheduled.values())
+        """Whether a batch runs the backbone's decode form: there is one, and every sequence has at most
+        1 + k query tokens (one, without speculative decoding)."""
+        return self.decode_form and all(n <= 1 + self.spec_tokens for n in num_scheduled.values())
 
     def forward_forms(self, t_bucket: int) -> list[bool]:
         """The backbone forms of a token bucket: general, and decode where a decode batch can land
-        (it has at most max_num_seqs tokens)."""
-        largest = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        (it has at most max_num_seqs * (1 + k) tokens)."""
+        largest = min(self.config.max_num_seqs * (1 + self.spec_tokens), self.config.max_num_batched_tokens)
         return [False] + [True] * (self.decode_form and t_bucket <= bucket(largest, self.config.token_buckets))
 
     def loops(self, flags: SamplerFlags) -> bool:
@@ -108,10 +120,14 @@ class Context:
     def samples(self, b_bucket: int, flags: SamplerFlags) -> SampleInputs:
         nowhere = np.full(b_bucket, self.config.max_num_seqs, np.int32)
         md = neutral_metadata(b_bucket, self.config.sampler, self.model.vocab_size, flags)
-        return SampleInputs(nowhere, np.zeros(b_bucket, np.int32), md)
+        return SampleInputs(nowhere, np.zeros(b_bucket, np.int32), md, np.zeros(b_bucket, bool), np.zeros(b_bucket, np.int32))
 
     def hidden(self, rows: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((rows, self.model.hidden_size), self.dtype)
+
+    def last_hidden(self) -> jax.ShapeDtypeStruct:
+        """The backbone's per-sequence hidden states: each sequence's last 1 + k tokens'."""
+        return jax.ShapeDtypeStruct((self.config.max_num_seqs, 1 + self.spec_tokens, self.model.hidden_size), self.dtype)
 
 
 Example = tuple[tuple, dict]  # (arguments, the call's static options)
@@ -146,13 +162,23 @@ def _write_blocks_examples(ctx: Context) -> Iterator[Example]:
 def _forward_examples(ctx: Context) -> Iterator[Example]:
     for t in reversed(ctx.config.token_buckets):
         for decode in ctx.forward_forms(t):
-            yield (ctx.params, ctx.state, ctx.tokens(t)), dict(uniform_decode=decode)
+            yield (ctx.params, ctx.draft_params, ctx.state, ctx.tokens(t)), dict(uniform_decode=decode)
 
 
 def _sample_examples(ctx: Context) -> Iterator[Example]:
+    if ctx.spec_tokens:
+        return
     for b in reversed(ctx.config.request_buckets):
         for flags in ctx.sampler_variants:
-            yield (ctx.params, ctx.state, ctx.hidden(ctx.config.max_num_seqs), ctx.samples(b, flags)), dict(flags=flags)
+            yield (ctx.params, ctx.state, ctx.last_hidden(), ctx.samples(b, flags)), dict(flags=flags)
+
+
+def _spec_sample_examples(ctx: Context) -> Iterator[Example]:
+    if not ctx.spec_tokens:
+        return
+    for b in reversed(ctx.config.request_buckets):
+        for flags in ctx.sampler_variants:
+            yield (ctx.params, ctx.draft_params, ctx.state, ctx.last_hidden(), ctx.samples(b, flags)), dict(flags=flags)
 
 
 def _decode_loop_examples(ctx: Context) -> Iterator[Example]:
@@ -177,12 +203,22 @@ def _model_and_kernels(ctx: Context) -> dict:
     return dict(model=ctx.model, kernels=ctx.kernels)
 
 
+def _forward_options(ctx: Context) -> dict:
+    return dict(model=ctx.model, draft_model=ctx.draft_model, kernels=ctx.kernels, spec_tokens=ctx.spec_tokens)
+
+
+def _spec_options(ctx: Context) -> dict:
+    return dict(model=ctx.model, draft_model=ctx.draft_model, kernels=ctx.kernels, spec=ctx.config.speculative)
+
+
 WRITE_BLOCKS = Kind("write_blocks", write_block_rows, key=lambda args, s: (args[1].shape[0],),
                     examples=_write_blocks_examples, donate_argnums=(0,))
-FORWARD = Kind("forward", forward_step, key=lambda args, s: (args[2].token_ids.shape[0], s["uniform_decode"]),
-               examples=_forward_examples, fixed=_model_and_kernels, donate_argnums=(1,))
+FORWARD = Kind("forward", forward_step, key=lambda args, s: (args[3].token_ids.shape[0], s["uniform_decode"]),
+               examples=_forward_examples, fixed=_forward_options, donate_argnums=(2,))
 SAMPLE = Kind("sample", sample_step, key=lambda args, s: (args[3].commit_rows.shape[0], s["flags"]),
               examples=_sample_examples, fixed=_model_and_kernels, donate_argnums=(1,))
+SPEC_SAMPLE = Kind("spec_sample", spec_sample_step, key=lambda args, s: (args[4].commit_rows.shape[0], s["flags"]),
+                   examples=_spec_sample_examples, fixed=_spec_options, donate_argnums=(2,))
 DECODE_LOOP = Kind(
     "decode_loop", decode_loop,
     key=lambda args, s: (args[2].token_ids.shape[0], args[3].commit_rows.shape[0], s["flags"], s["num_steps"], s["uniform_decode"]),
@@ -192,7 +228,7 @@ PROMPT_LOGPROBS = Kind(
     fixed=lambda ctx: dict(model=ctx.model, num_top=ctx.config.sampler.logprobs_width(ctx.model.vocab_size),
                            as_logits=ctx.config.sampler.logprobs_mode.endswith("logits")))
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
-KINDS = (FORWARD, DECODE_LOOP, SAMPLE, WRITE_BLOCKS, PROMPT_LOGPROBS)
+KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, PROMPT_LOGPROBS)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ One step, top to bottom:
      logprobs for requests that ask for them);
   3. advance the table, and hand back the output still in flight (`dispatch`) or read (`step`).
 With `num_steps` > 1 (all decodes), step 2 runs that many forward + sample rounds in one call.
+With speculative decoding, step 2 verifies each decode's drafts with the rejection sampler and
+proposes the next ones on the device (`step.spec_sample_step`); the number of tokens each request
+keeps comes back with its tokens.
 Each device call is a program of `programs.py`, found by the key of its arguments.
 """
 
@@ -33,6 +36,7 @@ from jaxrunner.programs import (
     PROMPT_LOGPROBS,
     PROMPT_LOGPROBS_CHUNK,
     SAMPLE,
+    SPEC_SAMPLE,
     WRITE_BLOCKS,
     Context,
     bucket,
@@ -50,12 +54,25 @@ Scoring = list[tuple[str, list[int], list[int]]]
 
 
 class Runner:
-    def __init__(self, model_config: ModelConfig, params: Params, config: RunnerConfig = RunnerConfig()) -> None:
+    """`draft`: the draft model's (config, params), for speculative decoding with method "draft_model"."""
+
+    def __init__(
+        self, model_config: ModelConfig, params: Params, config: RunnerConfig = RunnerConfig(),
+        draft: tuple[ModelConfig, Params] | None = None,
+    ) -> None:
+        spec = config.speculative
+        if (spec.enabled and spec.method == "draft_model") != (draft is not None):
+            raise ValueError("a draft model goes with speculative decoding of method 'draft_model', and that needs one: "
+                             "pass draft=(config, params)")
+        if draft is not None and draft[0].vocab_size != model_config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft[0].vocab_size} tokens) differs from the target's "
+                             f"({model_config.vocab_size}); speculative decoding needs the same tokenizer")
         self.model_config = model_config
         self.config = config
         self.params = params
+        self.draft_model, self.draft_params = draft if draft is not None else (None, {})
         self.kernels = Kernels.choose(config.kernels)
-        self.ctx = Context(model_config, config, self.kernels, str(params["embed"].dtype))
+        self.ctx = Context(model_config, config, self.kernels, str(params["embed"].dtype), self.draft_model)
         self.programs = shared_programs(self.ctx)
         self._table = RequestTable.empty(config.max_num_seqs)
         self._prompt_logprobs = PromptLogprobsBuffer()
@@ -70,7 +87,7 @@ class Runner:
         return cls(model_config, params, config)
 
     def init_state(self) -> RunnerState:
-        return init_state(self.model_config, self.config)
+        return init_state(self.model_config, self.config, self.draft_model)
 
     def check_sampling_params(self, params: SamplingParams, prompt_len: int = 0) -> None:
         """Raise a ValueError for parameters this model or runner rules out (token ids, logprob counts)."""
@@ -97,10 +114,12 @@ class Runner:
         if order:
             b_bucket = bucket(len(order), cfg.request_buckets)
             t_bucket = bucket(sched.total_num_scheduled_tokens, cfg.token_buckets)
-            tokens, samples, flags, sampled = build_inputs(table, order, scheduled, cfg, model.vocab_size, t_bucket, b_bucket)
+            tokens, samples, flags, sampled = build_inputs(table, order, scheduled, cfg, model.vocab_size, t_bucket,
+                                                           b_bucket, sched.scheduled_spec_decode_tokens)
             blocks = block_table_rows(table, dirty, cfg, bucket(len(dirty), cfg.request_buckets)) if dirty else None
-            if sched.num_steps == 1:
-                steps, scoring = dict.fromkeys(sampled, 1), self._prompts_to_score(table, order, scheduled)
+            if sched.num_steps == 1:  # the most tokens each request can keep: 1 + its drafts
+                steps = {rid: 1 + table.num_drafts(rid, sched) for rid in sampled}
+                scoring = self._prompts_to_score(table, order, scheduled)
             else:
                 steps = {rid: table.decode_steps(rid, sched.num_steps, cfg.max_model_len) for rid in order}
                 counts = np.zeros(b_bucket, np.int32)
@@ -115,19 +134,25 @@ class Runner:
         if blocks is not None:
             state = self.programs.run(WRITE_BLOCKS, state, *blocks)
         decode = ctx.uniform_decode(scheduled)
+        num_kept = None
         if sched.num_steps == 1:
-            last_hidden, hidden, state = self.programs.run(FORWARD, self.params, state, tokens, uniform_decode=decode)
-            out, state = self.programs.run(SAMPLE, self.params, state, last_hidden, samples, flags=flags)
+            last_hidden, hidden, state = self.programs.run(FORWARD, self.params, self.draft_params, state, tokens,
+                                                           uniform_decode=decode)
+            if ctx.spec_tokens:
+                out, num_kept, state = self.programs.run(SPEC_SAMPLE, self.params, self.draft_params, state, last_hidden,
+                                                         samples, flags=flags)
+            else:
+                out, state = self.programs.run(SAMPLE, self.params, state, last_hidden, samples, flags=flags)
             prompt_logprobs = self._score_prompts(table, scoring, scheduled, hidden)
             self._table = table.advance(scheduled, steps)
         else:
             out, state = self._decode(state, tokens, samples, counts, flags, sched.num_steps, decode)
             prompt_logprobs = {}
             self._table = table.advance(steps, steps)
-        for leaf in jax.tree.leaves(out):
+        for leaf in jax.tree.leaves((out, num_kept)):
             leaf.copy_to_host_async()
         num_top = {rid: table.rows[rid].sampling.num_logprobs for rid in order}
-        return state, PendingOutput(order, steps, num_top, out, prompt_logprobs)
+        return state, PendingOutput(order, steps, num_top, out, prompt_logprobs, num_kept)
 
     def _decode(
         self, state: RunnerState, tokens: TokenInputs, samples: SampleInputs, counts: np.ndarray,
@@ -141,7 +166,8 @@ class Runner:
         outs = []
         for j in range(num_steps):
             tok, smp = decode_round(tokens, samples, counts, j, self.config.max_num_seqs)
-            last_hidden, _, state = self.programs.run(FORWARD, self.params, state, tok, uniform_decode=decode)
+            last_hidden, _, state = self.programs.run(FORWARD, self.params, self.draft_params, state, tok,
+                                                      uniform_decode=decode)
             out, state = self.programs.run(SAMPLE, self.params, state, last_hidden, smp, flags=flags)
             outs.append(out)
         return jax.tree.map(lambda *xs: jnp.stack(xs), *outs), state
@@ -217,8 +243,12 @@ class Runner:
         compile that needs no cache allocated (the cache is aliased, so its size changes nothing)."""
         ctx = self.ctx
         flags, b = ctx.sampler_variants[-1], self.config.request_buckets[-1]
-        sampler = self.programs.program(SAMPLE, ctx.params, ctx.state, ctx.hidden(self.config.max_num_seqs),
-                                        ctx.samples(b, flags), flags=flags)
+        if ctx.spec_tokens:
+            sampler = self.programs.program(SPEC_SAMPLE, ctx.params, ctx.draft_params, ctx.state, ctx.last_hidden(),
+                                            ctx.samples(b, flags), flags=flags)
+        else:
+            sampler = self.programs.program(SAMPLE, ctx.params, ctx.state, ctx.last_hidden(), ctx.samples(b, flags),
+                                            flags=flags)
         executables = [self.compile_forward(self.config.max_num_batched_tokens), self.programs.executable(sampler)]
         return max(exe.memory_analysis().temp_size_in_bytes for exe in executables)
 
@@ -226,5 +256,5 @@ class Runner:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""
         ctx = self.ctx
         tokens = ctx.tokens(bucket(num_tokens, self.config.token_buckets))
-        return self.programs.executable(self.programs.program(FORWARD, ctx.params, ctx.state, tokens,
+        return self.programs.executable(self.programs.program(FORWARD, ctx.params, ctx.draft_params, ctx.state, tokens,
                                                               uniform_decode=uniform_decode))

@@ -4,6 +4,12 @@ What lives here is what the device produces or consumes in bulk: every request r
 sampled ones exist only here until the host reads them), its block table, and the paged KV cache.
 What the scheduler decides (lengths, sampling parameters) is mirrored on the host
 (`input_batch.RequestTable`) and travels with each step's inputs.
+
+With speculative decoding the device also knows what the host cannot until a step's output is
+back: how many tokens each row really has (`lens`; a step keeps 1 to k + 1 of them), and the next
+drafts, which sit in `token_ids` just past `lens`. A draft model adds its own KV cache (same
+pages, same block table) and the draft distributions q of those drafts. The arrays of a feature that
+is off are zero-width, so the structure depends only on the configuration.
 """
 
 from __future__ import annotations
@@ -17,20 +23,34 @@ from jaxrunner.pytree import pytree_dataclass
 
 @pytree_dataclass
 class RunnerState:
-    token_ids: jax.Array  # i32 [max_num_seqs, max_model_len]: prefill tokens, then sampled tokens
+    token_ids: jax.Array  # i32 [max_num_seqs, max_model_len]: prefill tokens, sampled tokens, then drafts
     block_table: jax.Array  # i32 [max_num_seqs, max_blocks_per_req]
     kv: tuple  # per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim]
+    lens: jax.Array  # i32 [max_num_seqs] (speculative decoding; else [0]): tokens known per row
+    draft_kv: tuple  # the draft model's `kv` (else ())
+    draft_probs: jax.Array  # f32 [max_num_seqs, k, V]: the drafts' q (draft model; else [0, 0, 0])
 
 
-def kv_cache_bytes(model: ModelConfig, cfg: RunnerConfig) -> int:
-    per_layer = 2 * cfg.num_blocks * cfg.block_size * model.num_kv_heads * model.head_dim
-    return per_layer * model.num_layers * cfg.jnp_dtype.itemsize
+def kv_cache_bytes(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None = None) -> int:
+    """Bytes of the KV cache: the model's, plus the draft model's (it shares the pages' block ids)."""
+    def per_model(m: ModelConfig) -> int:
+        return 2 * cfg.num_blocks * cfg.block_size * m.num_kv_heads * m.head_dim * m.num_layers
+
+    return (per_model(model) + (per_model(draft) if draft is not None else 0)) * cfg.jnp_dtype.itemsize
 
 
-def init_state(model: ModelConfig, cfg: RunnerConfig) -> RunnerState:
-    page = (cfg.num_blocks, cfg.block_size, model.num_kv_heads, model.head_dim)
+def init_state(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None = None) -> RunnerState:
+    def pages(m: ModelConfig) -> tuple:
+        page = (cfg.num_blocks, cfg.block_size, m.num_kv_heads, m.head_dim)
+        return tuple((jnp.zeros(page, cfg.jnp_dtype), jnp.zeros(page, cfg.jnp_dtype)) for _ in range(m.num_layers))
+
+    spec = cfg.speculative.num_speculative_tokens
+    rows = cfg.max_num_seqs
     return RunnerState(
-        token_ids=jnp.zeros((cfg.max_num_seqs, cfg.max_model_len), jnp.int32),
-        block_table=jnp.zeros((cfg.max_num_seqs, cfg.max_blocks_per_req), jnp.int32),
-        kv=tuple((jnp.zeros(page, cfg.jnp_dtype), jnp.zeros(page, cfg.jnp_dtype)) for _ in range(model.num_layers)),
+        token_ids=jnp.zeros((rows, cfg.max_model_len), jnp.int32),
+        block_table=jnp.zeros((rows, cfg.max_blocks_per_req), jnp.int32),
+        kv=pages(model),
+        lens=jnp.zeros(rows if spec else 0, jnp.int32),
+        draft_kv=pages(draft) if draft is not None else (),
+        draft_probs=jnp.zeros((rows, spec, model.vocab_size) if draft is not None else (0, 0, 0), jnp.float32),
     )

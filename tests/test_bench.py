@@ -36,6 +36,22 @@ def test_latency(tmp_path, capsys):
     assert "ms per decode step" in out and "skipped (--no-peer)" in out
 
 
+def test_latency_with_an_oracle_accepts_every_draft(tmp_path, capsys):
+    result, out = _bench(tmp_path, capsys, "latency", "--prompt", "8", "--new", "16", "--iters", "1", "--oracle", "3")
+    spec = result["spec_decoding"]
+    assert result["args"]["num_scheduler_steps"] == 1 and result["args"]["oracle"] == 3
+    assert spec["num_draft_tokens"] > 0 and spec["acceptance_rate_per_position"][0] == 1.0
+    assert "speculative decoding:" in out and "accepted" in out
+
+
+def test_throughput_with_ngram_drafts_reports_them(tmp_path, capsys):
+    config = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'
+    args = ["throughput", "--num-prompts", "3", "--min-prompt", "5", "--max-prompt", "12", "--new", "8"]
+    result, out = _bench(tmp_path, capsys, *args, "--speculative-config", config)
+    assert result["output_tokens"] == 3 * 8 and result["spec_decoding"]["num_draft_tokens"] > 0
+    assert "speculative decoding:" in out
+
+
 def test_throughput(tmp_path, capsys):
     args = ["throughput", "--num-prompts", "4", "--min-prompt", "5", "--max-prompt", "20", "--new", "8"]
     result, out = _bench(tmp_path, capsys, *args, "--num-scheduler-steps", "1", "--no-async-scheduling")

@@ -2,6 +2,10 @@
 tokens, random weights in the Llama-3-8B shape; ms per decode step through the whole engine
 (scheduling, host work, dispatch, the tokens' copy back), against the floor of reading every weight
 once per step, and against Hugging Face transformers in the same invocation when it can run.
+
+With speculative decoding a step brings back several tokens, and the figure is ms per output token.
+`oracle=k` measures the mechanics' upper bound: k drafts a step that are always right, replayed
+from the target's own greedy output of the same prompt (an untimed generation before each timed one).
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from jaxrunner.bench.floors import COPY_BANDWIDTH, weight_bytes_per_step
 from jaxrunner.config import ModelConfig
 from jaxrunner.engine.engine import LLMEngine
 from jaxrunner.engine.llm import LLM
+from jaxrunner.engine.request import Request
 from jaxrunner.models.shapes import shape
 from jaxrunner.sampling_params import SamplingParams
+
+ORACLE_ROUNDS = 3  # untimed generations that find the oracle's answer
 
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -70,14 +77,22 @@ def run(
     async_scheduling: bool = True,
     seed: int = 0,
     peer: bool = True,
+    speculative_config: dict | None = None,
+    oracle: int = 0,
 ) -> dict:
     """One warm-up generation (every graph compiled), then `iters` timed ones, each with a fresh
     random prompt; the peer runs first, in its own process, on the same prompts."""
+    if oracle:
+        speculative_config = {"method": "ngram", "num_speculative_tokens": oracle}
+    if speculative_config:
+        num_scheduler_steps = 1  # speculative decoding runs one step per call
     if prompt < 1 or new < 2 or iters < 1:
         raise ValueError(f"need prompt >= 1, new >= 2 (ms per step divides by new - 1) and iters >= 1; "
                          f"got prompt={prompt}, new={new}, iters={iters}")
     args = dict(shape=shape_name, prompt=prompt, new=new, iters=iters, num_scheduler_steps=num_scheduler_steps,
                 async_scheduling=async_scheduling, seed=seed)
+    if speculative_config:
+        args.update(speculative_config=speculative_config, oracle=oracle)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, model.vocab_size, prompt).tolist() for _ in range(iters + 1)]
@@ -96,12 +111,21 @@ def run(
         num_scheduler_steps=num_scheduler_steps,
         async_scheduling=async_scheduling,
         seed=seed,
+        speculative_config=speculative_config,
     )
     engine = llm.llm_engine
     bar = tqdm(prompts, desc="W1 latency (warm-up + runs)")
-    runs = [_generate(engine, f"w1-{i}", p, new) for i, p in enumerate(bar)]
-    ttft_ms = [first * 1e3 for first, _ in runs[1:]]
-    step_ms = [step * 1e3 for _, step in runs[1:]]
+    runs = []
+    for i, p in enumerate(bar):
+        if oracle:  # the answer, refined by replaying it: a draft can move the last bits of bf16 logits
+            engine.scheduler.proposer = None
+            for j in range(ORACLE_ROUNDS):
+                answer = _generate(engine, f"w1-{i}-answer-{j}", p, new)[2]
+                engine.scheduler.proposer = Oracle(answer, len(p))
+        runs.append(_generate(engine, f"w1-{i}", p, new))
+    engine.scheduler.proposer = None
+    ttft_ms = [first * 1e3 for first, _, _ in runs[1:]]
+    step_ms = [step * 1e3 for _, step, _ in runs[1:]]
     ours = statistics.median(step_ms)
     floor = weight_bytes_per_step(engine.runner.params) / COPY_BANDWIDTH * 1e3
     result = {
@@ -117,6 +141,7 @@ def run(
         "floor_ms": floor,
         "fraction_of_floor": floor / ours,
         "startup": engine.startup,  # the engine's warm-up report (empty where it does not warm up)
+        "spec_decoding": engine.stats().spec_decoding,  # over every generation, the untimed ones too
         "peer": peer_result,
     }
     if "skipped" not in peer_result:
@@ -124,9 +149,23 @@ def run(
     return result
 
 
-def _generate(engine: LLMEngine, request_id: str, prompt: list[int], new: int) -> tuple[float, float]:
+class Oracle:
+    """A host proposer that replays a known answer: the drafts for a request are the answer's tokens
+    after the ones it has (counting those in flight, which are right when every draft is)."""
+
+    def __init__(self, answer: list[int], prompt_len: int) -> None:
+        self.answer, self.prompt_len = answer, prompt_len
+
+    def __call__(self, request: Request, num_drafts: int) -> list[int]:
+        start = request.num_expected_tokens - self.prompt_len
+        drafts = self.answer[start : start + num_drafts]
+        return drafts + [-1] * (num_drafts - len(drafts))
+
+
+def _generate(engine: LLMEngine, request_id: str, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
     """Seconds from queuing one greedy request to its first token, and per decode step after it:
-    (last token - first token) / (new - 1), which holds however many tokens each step brings back."""
+    (last token - first token) / (new - 1), which holds however many tokens each step brings back;
+    and the tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     start = time.perf_counter()
     engine.add_request(request_id, prompt, params)
@@ -142,7 +181,7 @@ def _generate(engine: LLMEngine, request_id: str, prompt: list[int], new: int) -
     end = time.perf_counter()
     if len(final.outputs[0].token_ids) != new:
         raise RuntimeError(f"the W1 request returned {len(final.outputs[0].token_ids)} tokens, not {new}")
-    return first - start, (end - first) / (new - 1)
+    return first - start, (end - first) / (new - 1), list(final.outputs[0].token_ids)
 
 
 def summary(result: dict) -> str:
@@ -157,4 +196,15 @@ def summary(result: dict) -> str:
     peer = result["peer"]
     figure = "{decode_ms_per_step:.3f} ms per decode step, TTFT {ttft_ms:.1f} ms"
     lines += hf_peer.summary_lines(peer, figure, result.get("speedup_vs_peer"), "peer ms / ours")
+    lines += spec_lines(result)
     return "\n".join(lines)
+
+
+def spec_lines(result: dict) -> list[str]:
+    """The speculative-decoding counters of a run, if it had them."""
+    spec = result.get("spec_decoding")
+    if not spec:
+        return []
+    per_position = ", ".join(f"{rate:.2f}" for rate in spec["acceptance_rate_per_position"])
+    return [f"  speculative decoding: {spec['num_draft_tokens']} drafts, {spec['acceptance_rate']:.1%} accepted "
+            f"(per position {per_position}), {spec['mean_acceptance_length']:.2f} tokens per decode"]

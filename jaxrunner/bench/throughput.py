@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jaxrunner.bench import hf_peer
-from jaxrunner.bench.latency import hf_config
+from jaxrunner.bench.latency import hf_config, spec_lines
 from jaxrunner.engine.llm import LLM
 from jaxrunner.models.shapes import shape
 from jaxrunner.sampling_params import SamplingParams
@@ -30,6 +30,7 @@ def run(
     async_scheduling: bool = True,
     seed: int = 0,
     peer: bool = True,
+    speculative_config: dict | None = None,
 ) -> dict:
     """A short warm-up generation (a few requests, prompts of their own so the prefix cache cannot
     serve the timed ones), then one timed `generate` of all the requests; the peer runs first, in
@@ -37,8 +38,12 @@ def run(
     if num_prompts < 1 or new < 1 or not 1 <= min_prompt <= max_prompt:
         raise ValueError(f"need num_prompts >= 1, new >= 1 and 1 <= min_prompt <= max_prompt; got "
                          f"num_prompts={num_prompts}, new={new}, min_prompt={min_prompt}, max_prompt={max_prompt}")
+    if speculative_config:
+        num_scheduler_steps = 1  # speculative decoding runs one step per call
     args = dict(shape=shape_name, num_prompts=num_prompts, min_prompt=min_prompt, max_prompt=max_prompt, new=new,
                 num_scheduler_steps=num_scheduler_steps, async_scheduling=async_scheduling, seed=seed)
+    if speculative_config:
+        args.update(speculative_config=speculative_config)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_prompt, max_prompt + 1, num_prompts)
@@ -56,6 +61,7 @@ def run(
         num_scheduler_steps=num_scheduler_steps,
         async_scheduling=async_scheduling,
         seed=seed,
+        speculative_config=speculative_config,
     )
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     llm.generate(warmup, params, use_tqdm=False)
@@ -76,6 +82,7 @@ def run(
         "output_tokens": tokens,
         "tokens_per_s": tokens / elapsed,
         "startup": llm.llm_engine.startup,  # the engine's warm-up report (empty where it does not warm up)
+        "spec_decoding": llm.llm_engine.stats().spec_decoding,
         "peer": peer_result,
     }
     if "skipped" not in peer_result:
@@ -95,4 +102,5 @@ def summary(result: dict) -> str:
     peer = result["peer"]
     figure = "{tokens_per_s:.0f} output tokens/s ({output_tokens} in {elapsed_s:.2f} s)"
     lines += hf_peer.summary_lines(peer, figure, result.get("speedup_vs_peer"), "ours / peer tokens/s")
+    lines += spec_lines(result)
     return "\n".join(lines)

@@ -38,6 +38,7 @@ from jaxrunner.engine.default_model import default_tokenizer
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.engine.engine_args import (
     EngineArgs,
+    load_draft_model,
     load_weights,
     open_model,
     resolve_dtype,
@@ -130,9 +131,10 @@ class LLMEngine:
         tokenizer_eos = () if self.tokenizer is None or self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         eos = tuple(dict.fromkeys((*tokenizer_eos, *model_config.eos_token_ids)))
         self.model_config = dataclasses.replace(model_config, eos_token_ids=eos)
-        self.config = runner_config(args, self.model_config, params, dtype)
+        draft = load_draft_model(args, self.model_config, dtype)
+        self.config = runner_config(args, self.model_config, params, dtype, draft)
         sized = time.perf_counter()
-        self.runner = Runner(self.model_config, params, self.config)
+        self.runner = Runner(self.model_config, params, self.config, draft)
         self.state = self.runner.init_state()
         self.startup: dict = {}  # the start-up report: seconds per phase, programs, KV cache size
         if warm_up(args):
@@ -279,6 +281,7 @@ class LLMEngine:
             prefix_cache_hits=cache.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_nans_in_logits=self.scheduler.num_nans_in_logits,
+            spec_decoding=self.scheduler.spec_stats.as_dict() if self.config.speculative.enabled else {},
         )
 
     def _check_open(self) -> None:

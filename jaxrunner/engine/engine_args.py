@@ -18,9 +18,9 @@ import jax
 
 from jaxrunner import platform
 from jaxrunner.checks import check_bool, check_int, is_real
-from jaxrunner.config import KERNEL_CHOICES, ModelConfig, RunnerConfig, SamplerConfig
+from jaxrunner.config import KERNEL_CHOICES, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig
 from jaxrunner.engine.default_model import default_model
-from jaxrunner.engine.model_files import cache_dir
+from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.loader import Checkpoint, open_checkpoint
 from jaxrunner.models.llama import Params, init_params
@@ -52,7 +52,10 @@ class EngineArgs:
     steps per device call when a batch is all decodes (multi-step decode). `async_scheduling`:
     dispatch each step before the previous step's output reaches the host. `max_bad_word_len`: the
     most tokens a bad word may have (the sampler's bad-word arrays are this wide). `kernels`: "auto" (Pallas on a GPU, the jnp
-    references elsewhere), "pallas" (interpreted off a GPU) or "reference"."""
+    references elsewhere), "pallas" (interpreted off a GPU) or "reference". `speculative_config`:
+    vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}
+    (`config.SpeculativeConfig`)."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -74,6 +77,7 @@ class EngineArgs:
     async_scheduling: bool = True
     max_bad_word_len: int = SamplerConfig.max_bad_word_len
     kernels: str = "auto"
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         where = "EngineArgs"
@@ -98,6 +102,11 @@ class EngineArgs:
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         self.sampler_config()  # its own checks (logprobs settings), before anything loads
+        if self.speculative().enabled and self.num_scheduler_steps > 1:
+            raise ValueError("speculative_config and num_scheduler_steps > 1 do not combine; use one of them")
+
+    def speculative(self) -> SpeculativeConfig:
+        return SpeculativeConfig() if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
 
     def sampler_config(self) -> SamplerConfig:
         return SamplerConfig(max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
@@ -129,7 +138,9 @@ def resolve_dtype(args: EngineArgs) -> str:
     return "bfloat16"
 
 
-def runner_config(args: EngineArgs, model: ModelConfig, params: Params, dtype: str) -> RunnerConfig:
+def runner_config(
+    args: EngineArgs, model: ModelConfig, params: Params, dtype: str, draft: tuple[ModelConfig, Params] | None = None
+) -> RunnerConfig:
     gpu = platform.on_gpu()
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -147,10 +158,11 @@ def runner_config(args: EngineArgs, model: ModelConfig, params: Params, dtype: s
         seed=args.seed,
         num_scheduler_steps=args.num_scheduler_steps,
         sampler=args.sampler_config(),
+        speculative=args.speculative(),
         kernels=args.kernels,
         compilation_cache_dir=os.path.join(cache_dir(), "xla"),
     )
-    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes))
+    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes, draft))
     if cfg.num_blocks * cfg.block_size < max_model_len:
         raise ValueError(
             f"the KV cache ({cfg.num_blocks} blocks of {cfg.block_size} tokens) cannot hold one sequence of "
@@ -166,19 +178,23 @@ def scheduler_config(cfg: RunnerConfig) -> SchedulerConfig:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len,
         num_scheduler_steps=cfg.num_scheduler_steps,
+        num_speculative_tokens=cfg.speculative.num_speculative_tokens,
+        num_lookahead_tokens=cfg.speculative.num_lookahead_tokens,
     )
 
 
-def _num_blocks(args: EngineArgs, model: ModelConfig, params: Params, cfg: RunnerConfig) -> int:
+def _num_blocks(
+    args: EngineArgs, model: ModelConfig, params: Params, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None
+) -> int:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (measured from its compiled executables)
     are set aside. On CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but
     always room for one sequence at full length)."""
     stats = jax.devices()[0].memory_stats() if platform.on_gpu() else None
-    per_block = kv_cache_bytes(model, dataclasses.replace(cfg, num_blocks=1))
+    per_block = kv_cache_bytes(model, dataclasses.replace(cfg, num_blocks=1), draft[0] if draft else None)
     if not stats:
         return max(cfg.max_blocks_per_req, min(cfg.max_num_seqs * cfg.max_blocks_per_req, CPU_KV_CACHE_BYTES // per_block))
-    activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1)).peak_step_bytes()
+    activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1), draft).peak_step_bytes()
     blocks = kv_blocks_that_fit(stats["bytes_limit"], stats["bytes_in_use"], activations, args.gpu_memory_utilization, per_block)
     logger.info("KV cache sizing: %.2f GiB device, %.2f GiB in use (weights), %.2f GiB for the largest step's "
                 "activations: %d blocks", stats["bytes_limit"] / 2**30, stats["bytes_in_use"] / 2**30, activations / 2**30, blocks)
@@ -212,6 +228,18 @@ def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) ->
         return default_model(dtype)
     cfg = ModelConfig.from_hf(args.model) if os.path.isdir(args.model) else shape(args.model)
     return cfg, init_params(cfg, jax.random.key(args.seed), dtype)
+
+
+def load_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple[ModelConfig, Params] | None:
+    """The draft model of speculative_config's method "draft_model" (a checkpoint, like `model`)."""
+    spec = args.speculative()
+    if not (spec.enabled and spec.method == "draft_model"):
+        return None
+    checkpoint = open_checkpoint(local_model(spec.model, need_tokenizer=False))
+    if checkpoint.config.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model {spec.model!r} has {checkpoint.config.vocab_size} tokens, "
+                         f"the target {target.vocab_size}; the draft model must share the target's vocabulary")
+    return checkpoint.config, checkpoint.load(dtype)
 
 
 def warm_up(args: EngineArgs) -> bool:

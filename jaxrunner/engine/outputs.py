@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -69,3 +69,6 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_nans_in_logits: int
+    # Speculative decoding (empty when off): drafts, accepted drafts, acceptance rate overall and
+    # per draft position, mean tokens per decode with drafts (`scheduler.SpecDecodingStats`).
+    spec_decoding: dict = field(default_factory=dict)

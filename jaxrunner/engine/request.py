@@ -42,6 +42,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_prefill_tokens: int = 0  # tokens it was (re)admitted with: its decodes start after them
     # Prefix-cache hits at admission (vLLM's `num_cached_tokens`), from the first admission only.
     num_cached_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING

@@ -14,12 +14,20 @@ max_tokens or the model length. A request that stops on a token that comes back 
 step for nothing; that step's token is dropped. When every scheduled request is a decode,
 `num_scheduler_steps` > 1 asks the runner for that many decode steps in one call (with the blocks
 they need), and the request takes up to that many tokens, cut at its stop.
+
+With speculative decoding (`num_speculative_tokens` = k) a decode schedules 1 + n tokens, n <= k
+drafts (fewer near max_tokens or the model length, or within the budget), and blocks for all of
+them (and a draft model's k proposals past them). The drafts are the device's (-1 placeholders) unless a host `proposer` gives them. The
+scheduler counts every draft as accepted while the step is in flight (its blocks and lengths are
+then upper bounds), and takes the rejected ones back off `num_computed_tokens` when the output
+comes: async scheduling needs no wait. `spec_stats` counts drafts and acceptances.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.request import Request, RequestStatus
@@ -32,12 +40,58 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     num_scheduler_steps: int = 1
+    num_speculative_tokens: int = 0
+    num_lookahead_tokens: int = 0  # KV slots a step writes past its tokens (a draft model's proposals)
+
+
+# Draft tokens for a request, given how many the step can take (vLLM's host-side proposers).
+Proposer = Callable[[Request, int], list[int]]
+
+
+@dataclass
+class SpecDecodingStats:
+    """vLLM's speculative-decoding counters, over the decodes that carried drafts."""
+
+    num_drafts: int = 0  # decodes with at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)  # [i]: decodes with a draft i
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: decodes whose draft i was accepted
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for counts in (self.drafted_per_position, self.accepted_per_position):
+            counts += [0] * (num_drafted - len(counts))
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per decode with drafts: 1 + the accepted drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate_per_position": [a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position)],
+        }
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, proposer: Proposer | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.proposer = proposer  # None: the device proposes (placeholders)
+        self.spec_stats = SpecDecodingStats()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -47,8 +101,8 @@ class Scheduler:
         self.num_nans_in_logits = 0  # NaN logits the runner reported, over every request
         # Per scheduled step, oldest first, until its output is back: each scheduled request (the
         # object: an id can be re-used once its request ended), its preemption count when scheduled
-        # (a token from before a preemption is dropped) and how many tokens it samples.
-        self._in_flight: deque[dict[str, tuple[Request, int, int]]] = deque()
+        # (a token from before a preemption is dropped), the most tokens it samples and its drafts.
+        self._in_flight: deque[dict[str, tuple[Request, int, int, int]]] = deque()
 
     def add_request(self, request: Request) -> None:
         if request.req_id in self.requests:
@@ -69,6 +123,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
+        drafts: dict[str, list[int]] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -77,16 +132,21 @@ class Scheduler:
                 i += 1  # the tokens on their way finish it
                 continue
             n = min(request.num_expected_tokens - request.num_computed_tokens, budget)
-            fresh = self.block_manager.allocate_slots(request, n)
+            num_drafts = self._num_drafts(request, budget)
+            n += num_drafts
+            extra = self._lookahead(request.num_computed_tokens + n)
+            fresh = self.block_manager.allocate_slots(request, n + extra)
             while fresh is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
-                fresh = self.block_manager.allocate_slots(request, n)
+                fresh = self.block_manager.allocate_slots(request, n + extra)
             if fresh is None:
                 break
+            if num_drafts:
+                drafts[request.req_id] = self.proposer(request, num_drafts) if self.proposer else [-1] * num_drafts
             num_scheduled[request.req_id] = n
             new_blocks[request.req_id] = fresh
             budget -= n
@@ -97,11 +157,12 @@ class Scheduler:
             request = self.waiting[0]
             hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             n = min(request.num_tokens - num_hit_tokens, budget)
-            if self.block_manager.allocate_slots(request, n, hits) is None:
+            if self.block_manager.allocate_slots(request, n + self._lookahead(num_hit_tokens + n), hits) is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
+            request.num_prefill_tokens = request.num_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
@@ -110,20 +171,36 @@ class Scheduler:
             budget -= n
 
         steps = self._decode_steps(num_scheduled, new_blocks) if not (admitted or preempted) else None
-        out = self._build_output(admitted, num_scheduled, new_blocks, preempted, steps)
+        out = self._build_output(admitted, num_scheduled, new_blocks, preempted, steps, drafts)
         scheduled = {}
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
+            num_drafts = len(drafts.get(req_id, ()))
             if steps:  # one decode token, then a token per extra step
                 request.num_computed_tokens += steps[req_id]
                 num_sampled = steps[req_id]
-            else:
+            else:  # a decode with drafts samples up to 1 + num_drafts: counted as if all were accepted
                 request.num_computed_tokens += n
-                num_sampled = int(request.num_computed_tokens == request.num_expected_tokens)
+                num_sampled = num_drafts + int(request.num_computed_tokens - num_drafts == request.num_expected_tokens)
             request.num_pending_tokens += num_sampled
-            scheduled[req_id] = (request, request.num_preemptions, num_sampled)
+            scheduled[req_id] = (request, request.num_preemptions, num_sampled, num_drafts)
         self._in_flight.append(scheduled)
         return out
+
+    def _lookahead(self, reach: int) -> int:
+        """Slots past a step's tokens that the step writes too: a draft model's k steps ahead."""
+        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - reach))
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """Drafts for a decode: up to k, none past max_tokens or the model length or the budget, and
+        none before the runner has sampled for the request (since its admission)."""
+        k = self.config.num_speculative_tokens
+        decoding = request.num_computed_tokens >= request.num_prefill_tokens
+        if not k or not decoding or request.num_expected_tokens - request.num_computed_tokens != 1:
+            return 0
+        room = min(request.max_tokens - request.num_output_tokens - request.num_pending_tokens,
+                   self.config.max_model_len - request.num_expected_tokens, budget) - 1
+        return max(0, min(k, room))
 
     def _decode_steps(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]]) -> dict[str, int] | None:
         """Multi-step decode: the steps of each request when all of them are one-token decodes and
@@ -153,6 +230,7 @@ class Scheduler:
         new_blocks: dict[str, list[int]],
         preempted: list[Request],
         steps: dict[str, int] | None,
+        drafts: dict[str, list[int]],
     ) -> SchedulerOutput:
         new_reqs = [
             NewRequestData(
@@ -178,6 +256,7 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=drafts,
             finished_req_ids=finished,
             preempted_req_ids={r.req_id for r in preempted},
             num_steps=self.config.num_scheduler_steps if steps else 1,
@@ -199,13 +278,17 @@ class Scheduler:
         preempted since the step was scheduled are dropped. A request whose logits held NaN keeps none
         of the step's tokens and finishes with an error (`Request.error` says so)."""
         progressed: dict[str, list[int]] = {}
-        for req_id, (request, preemptions, expected) in self._in_flight.popleft().items():
+        for req_id, (request, preemptions, expected, num_drafts) in self._in_flight.popleft().items():
             if self.requests.get(req_id) is not request or request.num_preemptions != preemptions:
                 continue
             request.num_pending_tokens -= expected
             sampled = out.sampled_token_ids[out.req_id_to_index[req_id]]
-            if len(sampled) > expected or (expected and not sampled):
-                raise RuntimeError(f"runner returned {len(sampled)} tokens for request {req_id!r}, expected {expected}")
+            if not expected - num_drafts <= len(sampled) <= expected:
+                raise RuntimeError(f"runner returned {len(sampled)} tokens for request {req_id!r}, expected "
+                                   f"{expected - num_drafts}{f' to {expected}' if num_drafts else ''}")
+            if num_drafts:  # the rejected drafts' KV does not count; the next steps overwrite it
+                request.num_computed_tokens -= expected - len(sampled)
+                self.spec_stats.add(num_drafts, len(sampled) - 1)
             if nans := out.num_nans_in_logits.get(req_id, 0):
                 self.num_nans_in_logits += nans
                 request.num_nans_in_logits += nans
@@ -222,8 +305,8 @@ class Scheduler:
                 if status is not None:
                     self._finish(request, status)
                     break
-            if len(kept) < expected and not request.is_finished:
-                raise RuntimeError(f"runner returned {len(kept)} of {expected} tokens for request {req_id!r} without a stop")
+            if len(kept) < len(sampled) and not request.is_finished:
+                raise RuntimeError(f"request {req_id!r} kept {len(kept)} of {len(sampled)} tokens without a stop")
             if kept:
                 progressed[req_id] = kept
         return progressed

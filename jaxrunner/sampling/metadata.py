@@ -103,7 +103,8 @@ class SamplingMetadata:
     bias_token_ids: jax.Array  # i32 [B, Wb]; V = unused entry
     bias_values: jax.Array  # f32 [B, Wb]
     allowed_token_ids: jax.Array  # i32 [B, Wa]; V = unused; a row with no entry allows every token
-    stop_token_ids: jax.Array  # i32 [B, Ws]; banned this step (min_tokens not reached); V = unused
+    stop_token_ids: jax.Array  # i32 [B, Ws]; banned while positions < min_lens (min_tokens); V = unused
+    min_lens: jax.Array  # i32 [B]: prompt_len + min_tokens
     bad_words: jax.Array  # i32 [B, Nw, Lw]: token ids right-aligned, -1 before a word and in unused words
 
 
@@ -200,7 +201,8 @@ def build_sampling_metadata(
 ) -> tuple[SamplingMetadata, SamplerFlags]:
     """Numpy metadata for a bucket of `num_rows` rows (the first len(requests) used) and its flags.
 
-    `positions[i]` is the position of the token row i samples. With `variants`, the flags are the
+    `positions[i]` is the position of the token row i samples (a lower bound will do: the stop-token
+    ban of min_tokens is checked again on the device, against the row's true position). With `variants`, the flags are the
     first variant that covers the batch (the batch's own flags if none does).
     """
     n = len(requests)
@@ -226,6 +228,7 @@ def build_sampling_metadata(
     md.seeds[:n, 0], md.seeds[:n, 1] = seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)
     md.positions[:n] = positions
     md.prompt_lens[:n] = [r.prompt_len for r in requests]
+    md.min_lens[:n] = [r.min_len for r in requests]
     for feature, columns in LIST_COLUMNS:
         rows = [i for i, r in enumerate(requests) if feature in r.features] if feature in features else []
         for i in rows:
@@ -259,6 +262,7 @@ def neutral_metadata(num_rows: int, config: SamplerConfig, vocab_size: int, flag
         bias_values=np.zeros((b, width(flags.logit_bias, config.max_logit_bias)), np.float32),
         allowed_token_ids=np.full((b, width(flags.allowed_token_ids, config.max_allowed_token_ids)), vocab, np.int32),
         stop_token_ids=np.full((b, width(flags.min_tokens, config.max_stop_token_ids)), vocab, np.int32),
+        min_lens=np.zeros(b, np.int32),
         bad_words=np.full(
             (b, width(flags.bad_words, config.max_bad_words), config.max_bad_word_len if flags.bad_words else 0),
             -1,

@@ -71,7 +71,8 @@ def process_logits(
     if flags.logit_bias:
         x = x.at[rows, md.bias_token_ids].add(md.bias_values, mode="drop")
     if flags.min_tokens:
-        x = x.at[rows, md.stop_token_ids].set(-jnp.inf, mode="drop")
+        banned = jnp.where((md.positions < md.min_lens)[:, None], md.stop_token_ids, vocab)
+        x = x.at[rows, banned].set(-jnp.inf, mode="drop")
     if flags.penalties:
         x = apply_penalties(x, md, history)
     if flags.bad_words:
@@ -120,18 +121,25 @@ def ban_bad_words(x: jax.Array, md: SamplingMetadata, history: jax.Array) -> jax
     return x.at[rows, jnp.where(matched, last, vocab)].set(-jnp.inf, mode="drop")
 
 
-def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
-    """Gumbel noise [B, V] that depends only on each row's (seed, position).
+def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int, stream: int = 0) -> jax.Array:
+    """Gumbel noise [B, V] that depends only on each row's (seed, position) and the `stream`.
 
     Built from 32 random bits per token as -log(-log1p(-u)), u in (0, 1): the largest value is
     ~22 (jax.random.gumbel's default stops at ~16), so tokens ~e^-20 below the best still win at
-    their true rate.
+    their true rate. Stream 0 is plain sampling's (speculative decoding draws the drafts' and the
+    bonus token's from it too); the rejection sampler's other draws use streams of their own.
     """
+    return -jnp.log(-jnp.log1p(-uniform_noise(seeds, positions, vocab_size, stream)))
+
+
+def uniform_noise(seeds: jax.Array, positions: jax.Array, width: int, stream: int = 0) -> jax.Array:
+    """Uniform noise in (0, 1), [B, width], from each row's (seed, position, stream)."""
 
     def row(seed: jax.Array, pos: jax.Array) -> jax.Array:
         key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), pos)
-        return jax.random.bits(key, (vocab_size,), jnp.uint32)
+        if stream:
+            key = jax.random.fold_in(key, stream)
+        return jax.random.bits(key, (width,), jnp.uint32)
 
     bits = jax.vmap(row)(seeds, positions)
-    u = jnp.minimum((bits.astype(jnp.float32) + 0.5) * 2.0**-32, 1.0 - 2.0**-24)
-    return -jnp.log(-jnp.log1p(-u))
+    return jnp.minimum((bits.astype(jnp.float32) + 0.5) * 2.0**-32, 1.0 - 2.0**-24)
