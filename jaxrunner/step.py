@@ -129,8 +129,8 @@ def forward_step(
     draft_model: ModelConfig | None, kernels: Kernels, uniform_decode: bool, spec_tokens: int,
 ) -> tuple[jax.Array, jax.Array, RunnerState]:
     """(hidden states of each sequence's last 1 + spec_tokens tokens [S, 1 + k, H], of every token
-    [T, H], the new state). A sequence with fewer drafts than k has junk in its first rows, past
-    its 1 + num_drafts."""
+    [T, H], the new state). Row i of a sequence is the hidden state after its i-th draft; the rows
+    past its first 1 + num_drafts are junk."""
     inp = resolve_positions(state, inp)
     num_rows = state.token_ids.shape[0]
     rows = jnp.minimum(inp.token_rows, num_rows - 1)

@@ -23,6 +23,7 @@ from jaxrunner.config import ModelConfig
 from jaxrunner.engine.engine import LLMEngine
 from jaxrunner.engine.llm import LLM
 from jaxrunner.engine.request import Request
+from jaxrunner.engine.scheduler import SpecDecodingStats
 from jaxrunner.models.shapes import shape
 from jaxrunner.sampling_params import SamplingParams
 
@@ -115,13 +116,16 @@ def run(
     )
     engine = llm.llm_engine
     bar = tqdm(prompts, desc="W1 latency (warm-up + runs)")
-    runs = []
+    runs, timed = [], SpecDecodingStats()  # the drafts of the timed generations only
     for i, p in enumerate(bar):
+        engine.scheduler.spec_stats = SpecDecodingStats()
         if oracle:  # the answer, refined by replaying it: a draft can move the last bits of bf16 logits
             engine.scheduler.proposer = None
             for j in range(ORACLE_ROUNDS):
                 answer = _generate(engine, f"w1-{i}-answer-{j}", p, new)[2]
                 engine.scheduler.proposer = Oracle(answer, len(p))
+        if i:
+            engine.scheduler.spec_stats = timed
         runs.append(_generate(engine, f"w1-{i}", p, new))
     engine.scheduler.proposer = None
     ttft_ms = [first * 1e3 for first, _, _ in runs[1:]]
@@ -141,7 +145,7 @@ def run(
         "floor_ms": floor,
         "fraction_of_floor": floor / ours,
         "startup": engine.startup,  # the engine's warm-up report (empty where it does not warm up)
-        "spec_decoding": engine.stats().spec_decoding,  # over every generation, the untimed ones too
+        "spec_decoding": timed.as_dict() if speculative_config else {},
         "peer": peer_result,
     }
     if "skipped" not in peer_result:
