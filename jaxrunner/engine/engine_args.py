@@ -160,7 +160,8 @@ def runner_config(
         sampler=args.sampler_config(),
         speculative=args.speculative(),
         kernels=args.kernels,
-        compilation_cache_dir=os.path.join(cache_dir(), "xla"),
+        # GPU only: XLA:CPU crashed serializing executables for JAX's persistent cache (docs/benchmarks.md)
+        compilation_cache_dir=os.path.join(cache_dir(), "xla") if gpu else None,
     )
     cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes, draft))
     if cfg.num_blocks * cfg.block_size < max_model_len:
