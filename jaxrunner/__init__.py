@@ -3,7 +3,7 @@
 from jaxrunner.config import ModelConfig, RunnerConfig
 from jaxrunner.engine import LLM, CompletionOutput, EngineArgs, LLMEngine, RequestOutput
 from jaxrunner.runner import Runner
-from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxrunner.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 
 __all__ = [
@@ -19,5 +19,6 @@ __all__ = [
     "RunnerConfig",
     "RunnerOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "SchedulerOutput",
 ]

@@ -15,8 +15,8 @@ from jaxrunner.step_io import LogprobsArrays, RunnerOutput
 class PendingOutput:
     """`steps[rid]` tokens were sampled for each request that samples (device arrays in `sampled`,
     [B] for one step or [num_steps, B], batch column i for `req_ids[i]`); with speculative decoding,
-    at most that many: `num_kept` [B] says how many. `num_top[rid]` is the number of top logprobs it
-    asked for (-1: none)."""
+    at most that many: `num_kept` [B] says how many, and `drafts` [B, k] holds the next drafts.
+    `num_top[rid]` is the number of top logprobs it asked for (-1: none)."""
 
     req_ids: list[str]
     steps: dict[str, int]
@@ -24,11 +24,12 @@ class PendingOutput:
     sampled: SamplerOutput | None  # None for an empty step
     prompt_logprobs: dict[str, LogprobsArrays]
     num_kept: jax.Array | None = None  # speculative decoding only
+    drafts: jax.Array | None = None  # speculative decoding only
 
     def get(self) -> RunnerOutput:
         if not self.req_ids:
             return RunnerOutput([], {}, [])
-        out, kept = jax.device_get((self.sampled, self.num_kept))
+        out, kept, drafts = jax.device_get((self.sampled, self.num_kept, self.drafts))
         if out.tokens.ndim == 1:  # a single step
             out = jax.tree.map(lambda x: x[None], out)
         tokens, logprobs, nans = [], {}, {}
@@ -48,4 +49,6 @@ class PendingOutput:
             logprobs=logprobs,
             prompt_logprobs_dict=self.prompt_logprobs,
             num_nans_in_logits=nans,
+            draft_token_ids={} if drafts is None else {rid: drafts[i].tolist() for i, rid in enumerate(self.req_ids)
+                                                       if self.steps.get(rid)},
         )

@@ -9,7 +9,7 @@ the two cannot disagree; a call that no example covered compiles on first use, i
 (`compiled_on_use`) and logged. Adding a program kind is one `Kind` below, added to `KINDS`.
 
 A runner's programs depend only on its `Context` (model, runner configuration, kernels, dtype), so
-runners with equal contexts share one `Programs` (`shared_programs`). `compile_all` lowers programs
+live runners with equal contexts share one `Programs` (`shared_programs`). `compile_all` lowers programs
 one after another (tracing is Python) and compiles them on a thread pool, where XLA works without
 the GIL, each compile starting as soon as its program is lowered; with a `ProgramCache` it first
 looks for the executable on disk, which needs no lowering.
@@ -23,6 +23,7 @@ import inspect
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -119,7 +120,7 @@ class Context:
 
     def samples(self, b_bucket: int, flags: SamplerFlags) -> SampleInputs:
         nowhere = np.full(b_bucket, self.config.max_num_seqs, np.int32)
-        md = neutral_metadata(b_bucket, self.config.sampler, self.model.vocab_size, flags)
+        md = neutral_metadata(b_bucket, self.config.sampler, self.model.vocab_size, flags, 1 + self.spec_tokens)
         return SampleInputs(nowhere, np.zeros(b_bucket, np.int32), md, np.zeros(b_bucket, bool), np.zeros(b_bucket, np.int32))
 
     def hidden(self, rows: int) -> jax.ShapeDtypeStruct:
@@ -324,8 +325,16 @@ class Programs:
         return exe
 
 
-@functools.cache
+# Live `Programs` by context, held weakly: executables go with the last runner that uses them (each
+# holds memory maps of its own, and Linux allows a process 65530 of them).
+_shared: weakref.WeakValueDictionary[Context, Programs] = weakref.WeakValueDictionary()
+
+
 def shared_programs(ctx: Context) -> Programs:
-    """One `Programs` per context, in the program cache of its `compilation_cache_dir` if it has one."""
-    cache_dir = ctx.config.compilation_cache_dir
-    return Programs(ctx, ProgramCache(os.path.join(cache_dir, "programs")) if cache_dir else None)
+    """The `Programs` of a context, shared by its live runners; in the program cache of its
+    `compilation_cache_dir` if it has one."""
+    programs = _shared.get(ctx)
+    if programs is None:
+        cache_dir = ctx.config.compilation_cache_dir
+        programs = _shared[ctx] = Programs(ctx, ProgramCache(os.path.join(cache_dir, "programs")) if cache_dir else None)
+    return programs

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
-from jaxrunner.input_batch import RequestTable, batch_order, block_table_rows, build_inputs
+from jaxrunner.input_batch import RequestTable, batch_order, block_table_rows, build_inputs, grammar_rows
 from jaxrunner.loader import load_model
 from jaxrunner.models.llama import Params
 from jaxrunner.pending_output import PendingOutput
@@ -114,8 +114,9 @@ class Runner:
         if order:
             b_bucket = bucket(len(order), cfg.request_buckets)
             t_bucket = bucket(sched.total_num_scheduled_tokens, cfg.token_buckets)
+            masks = grammar_rows(order, sched, 1 + ctx.spec_tokens, model.vocab_size)
             tokens, samples, flags, sampled = build_inputs(table, order, scheduled, cfg, model.vocab_size, t_bucket,
-                                                           b_bucket, sched.scheduled_spec_decode_tokens)
+                                                           b_bucket, sched.scheduled_spec_decode_tokens, masks)
             blocks = block_table_rows(table, dirty, cfg, bucket(len(dirty), cfg.request_buckets)) if dirty else None
             if sched.num_steps == 1:  # the most tokens each request can keep: 1 + its drafts
                 steps = {rid: 1 + table.num_drafts(rid, sched) for rid in sampled}
@@ -134,13 +135,13 @@ class Runner:
         if blocks is not None:
             state = self.programs.run(WRITE_BLOCKS, state, *blocks)
         decode = ctx.uniform_decode(scheduled)
-        num_kept = None
+        num_kept = drafts = None
         if sched.num_steps == 1:
             last_hidden, hidden, state = self.programs.run(FORWARD, self.params, self.draft_params, state, tokens,
                                                            uniform_decode=decode)
             if ctx.spec_tokens:
-                out, num_kept, state = self.programs.run(SPEC_SAMPLE, self.params, self.draft_params, state, last_hidden,
-                                                         samples, flags=flags)
+                out, num_kept, drafts, state = self.programs.run(SPEC_SAMPLE, self.params, self.draft_params, state,
+                                                                 last_hidden, samples, flags=flags)
             else:
                 out, state = self.programs.run(SAMPLE, self.params, state, last_hidden, samples, flags=flags)
             prompt_logprobs = self._score_prompts(table, scoring, scheduled, hidden)
@@ -149,10 +150,10 @@ class Runner:
             out, state = self._decode(state, tokens, samples, counts, flags, sched.num_steps, decode)
             prompt_logprobs = {}
             self._table = table.advance(steps, steps)
-        for leaf in jax.tree.leaves((out, num_kept)):
+        for leaf in jax.tree.leaves((out, num_kept, drafts)):
             leaf.copy_to_host_async()
         num_top = {rid: table.rows[rid].sampling.num_logprobs for rid in order}
-        return state, PendingOutput(order, steps, num_top, out, prompt_logprobs, num_kept)
+        return state, PendingOutput(order, steps, num_top, out, prompt_logprobs, num_kept, drafts)
 
     def _decode(
         self, state: RunnerState, tokens: TokenInputs, samples: SampleInputs, counts: np.ndarray,

@@ -4,10 +4,12 @@ Checks that need the model (vocabulary size, the engine's logprobs limit) live i
 the engine calls once when a request arrives (`jaxrunner.sampling.prepare_request` calls it).
 Bad words are strings; the sampler needs their token ids: `with_bad_words_tokenized(tokenizer)`
 fills `bad_words_token_ids` the way vLLM does (each word with and without a leading space).
+`structured_outputs` constrains the output to a grammar (`StructuredOutputsParams`, vLLM's).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -20,6 +22,48 @@ GREEDY_TEMPERATURE = 1e-5
 
 class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured-output request: exactly one of a JSON schema (a dict or its text), a regex
+    the whole output matches, a list of choices, a Lark grammar, or any JSON object.
+
+    `disable_any_whitespace` keeps JSON compact (no whitespace between tokens of the JSON syntax),
+    which spares a small model from wandering off into whitespace.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams: give exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"StructuredOutputsParams: json is not valid JSON ({e})") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"StructuredOutputsParams: json must be a JSON schema (an object), got {schema!r:.80}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"StructuredOutputsParams: {name} must be a string, got {getattr(self, name)!r:.80}")
+        if self.choice is not None:
+            choices = _strings("choice", self.choice, "a list of strings", where="StructuredOutputsParams")
+            if not choices or "" in choices:
+                raise ValueError(f"StructuredOutputsParams: choice must be a list of non-empty strings, got {choices!r:.80}")
+            object.__setattr__(self, "choice", choices)
+        check_bool("StructuredOutputsParams", "disable_any_whitespace", self.disable_any_whitespace)
 
 
 @dataclass(frozen=True)
@@ -46,6 +90,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         where = "SamplingParams"
@@ -82,6 +127,8 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check_bool(where, name, getattr(self, name))
         self._check_lists()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            _bad(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 
     def _check_lists(self) -> None:
         where = "SamplingParams"
@@ -173,7 +220,7 @@ def _bad(msg: str) -> None:
     raise ValueError(f"SamplingParams: {msg}")
 
 
-def _strings(name: str, values: object, what: str = "a list of strings") -> list[str]:
+def _strings(name: str, values: object, what: str = "a list of strings", where: str = "SamplingParams") -> list[str]:
     if isinstance(values, str) or not isinstance(values, Iterable) or not all(isinstance(s, str) for s in values):
-        _bad(f"{name} must be {what}, got {values!r:.80}")
+        raise ValueError(f"{where}: {name} must be {what}, got {values!r:.80}")
     return list(values)

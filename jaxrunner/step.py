@@ -173,7 +173,9 @@ def spec_sample_step(
     Every row is processed like a plain sample (its own position for penalties, min_tokens and the
     noise), then `verify_drafts` decides. The kept tokens are appended and the row's device length
     set; rows that sampled then get their next k drafts written just past it. Returns (outputs
-    [1 + k, B] like a multi-step call's, the number of tokens kept per request [B], the state).
+    [1 + k, B] like a multi-step call's, the number of tokens kept per request [B], the next drafts
+    [B, k], the state). A grammar mask per position (sampling.grammar_bitmask [B, (1 + k) W])
+    constrains each row.
     """
     b, k = inp.commit_rows.shape[0], spec.num_speculative_tokens
     k1, num_rows = 1 + k, state.token_ids.shape[0]
@@ -183,7 +185,9 @@ def spec_sample_step(
     base = jnp.where(inp.relative, state.lens[slots] + inp.sampling.positions, inp.sampling.positions)
     positions = base[:, None] + jnp.arange(k1)[None, :]  # [B, 1 + k]
     md = jax.tree.map(lambda x: jnp.repeat(x, k1, axis=0), inp.sampling)
-    md = dataclasses.replace(md, positions=positions.reshape(-1))
+    masks = inp.sampling.grammar_bitmask
+    md = dataclasses.replace(md, positions=positions.reshape(-1),
+                             grammar_bitmask=masks.reshape(b * k1, masks.shape[1] // k1))
     history = (state.token_ids[jnp.repeat(inp.history_rows, k1)] if flags.penalties or flags.bad_words
                else jnp.zeros((b * k1, 0), jnp.int32))
     processed = process_logits(logits, md, flags, history, kernels)
@@ -199,6 +203,9 @@ def spec_sample_step(
     state = dataclasses.replace(state, token_ids=token_ids, lens=lens)
     state = propose(params, draft_params, state, inp, md, flags, committing, model=model, draft_model=draft_model,
                     kernels=kernels, spec=spec)
+    next_lens = state.lens[slots]
+    next_drafts = jnp.take_along_axis(
+        state.token_ids[slots], jnp.clip(next_lens[:, None] + jnp.arange(k)[None, :], 0, state.token_ids.shape[1] - 1), axis=1)
 
     num_nans = jnp.sum(jnp.isnan(logits), axis=1, dtype=jnp.int32).reshape(b, k1) * kept if flags.count_nans else (
         jnp.zeros((b, k1), jnp.int32))
@@ -215,7 +222,7 @@ def spec_sample_step(
 
     out = SamplerOutput(steps_first(flat), steps_first(values), steps_first(ids), steps_first(ranks),
                         steps_first(num_nans.reshape(-1)))
-    return out, num_kept, state
+    return out, num_kept, next_drafts, state
 
 
 def propose(
@@ -232,8 +239,10 @@ def propose(
         return _write_drafts(state, inp.commit_rows, committing, lens, drafts)
 
     # A draft model: k one-token steps; step j reads the token at lens - 1 + j (the last kept token,
-    # then each draft) and samples the draft at lens + j with the row's parameters (noise included).
+    # then each draft) and samples the draft at lens + j with the row's parameters (noise included),
+    # without grammar masks (the host knows the grammar's state before the drafts only).
     row_md = jax.tree.map(lambda x: x[:: 1 + k], md)
+    flags = dataclasses.replace(flags, grammar=False)
     num_rows = state.token_ids.shape[0]
     token_rows = jnp.where(committing, inp.commit_rows, num_rows)
 

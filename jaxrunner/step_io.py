@@ -49,7 +49,13 @@ class CachedRequestData:
 class SchedulerOutput:
     """`num_steps` > 1 asks for multi-step decode: every scheduled request is a one-token decode, and
     each runs up to `num_steps` steps in one device call (`decode_steps` says how many; its blocks
-    must hold them)."""
+    must hold them).
+
+    Structured output: `grammar_bitmask` (int32 [rows, ceil(vocab_size / 32)], bit j of word i
+    allowing token 32 i + j) holds the masks of the requests in `structured_output_request_ids`;
+    request r's 1 + len(drafts) masks (for its next token, then after each draft) start at row
+    structured_output_request_ids[r]. vLLM's layout.
+    """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
@@ -59,6 +65,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     num_steps: int = 1
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: np.ndarray | None = None
 
 
 def decode_steps(num_steps: int, num_tokens: int, num_outputs: int, params: SamplingParams, max_model_len: int) -> int:
@@ -104,6 +112,8 @@ class RunnerOutput:
     for requests that sampled and asked for logprobs. `prompt_logprobs_dict[req_id]`: one row per
     prompt position 1.., given once, in the step that completes the prompt.
     `num_nans_in_logits[req_id]`: NaN values in the logits its tokens were sampled from.
+    `draft_token_ids[req_id]`: with speculative decoding, the drafts the device proposed for the
+    request's next step (a structured request's scheduler checks them against its grammar).
     """
 
     req_ids: list[str]
@@ -112,3 +122,4 @@ class RunnerOutput:
     logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
     prompt_logprobs_dict: dict[str, LogprobsArrays] = field(default_factory=dict)
     num_nans_in_logits: dict[str, int] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -1,13 +1,37 @@
 """Every test process (and the subprocesses tests start) converts GGUF checkpoints into one
-throw-away cache, not the user's ~/.cache/jaxrunner."""
+throw-away cache, not the user's ~/.cache/jaxrunner.
+
+JAX's caches keep every executable compiled in the process, each with memory maps of its own, and
+the whole suite would pass Linux's limit of 65530 maps per process, where XLA:CPU crashes (SIGSEGV
+or SIGABRT, while compiling or serializing). So a test that leaves the process holding many maps
+clears those caches (executables of live runners stay: their `Programs` hold them).
+"""
 
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
 
+import jax
+import pytest
+
 if "JAXRUNNER_CACHE" not in os.environ:
     os.environ["JAXRUNNER_CACHE"] = tempfile.mkdtemp(prefix="jaxrunner-test-cache-")
     atexit.register(shutil.rmtree, os.environ["JAXRUNNER_CACHE"], True)
+
+
+MAPS = "/proc/self/maps"
+MAX_MAPS = 20000  # well below Linux's default limit of 65530
+
+
+@pytest.fixture(autouse=True)
+def _free_executables():
+    yield
+    if os.path.exists(MAPS):
+        with open(MAPS) as f:
+            if sum(1 for _ in f) > MAX_MAPS:
+                gc.collect()
+                jax.clear_caches()

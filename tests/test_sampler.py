@@ -269,7 +269,7 @@ def reference_rows(logits):
 def test_processed_logits_match_the_reference(promoted):
     logits, md, flags, history = mixed_inputs(np.random.default_rng(1), covering(MIXED_CONFIG) if promoted else ())
     if promoted:
-        assert flags == covering(MIXED_CONFIG)[-2]
+        assert flags == covering(MIXED_CONFIG)[4]  # everything, no logprobs, no grammar
     got = np.asarray(process_jit(logits, md, flags, history))
     for i, want in enumerate(reference_rows(logits)):
         np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6, err_msg=f"row {i}: {MIXED[i][0]}")
@@ -469,7 +469,8 @@ def test_flags_follow_the_rows_and_variants_cover_them():
     _, flags = batch([SamplingParams(min_tokens=2)], [4], config, prompt_lens=[2])
     assert not flags.min_tokens  # two tokens generated: nothing to ban any more
     variants = covering(config)
-    assert len(variants) == 6 and all(variants[-2].covers(v) for v in variants if v.num_logprobs == -1)
+    assert len(variants) == 12 and all(variants[-2].covers(v) for v in variants if v.num_logprobs == -1)
+    assert not any(v.grammar for v in variants[:6]) and all(v.grammar for v in variants[6:])
     md, flags = batch([SamplingParams(top_k=3, logprobs=1)], [3], config, variants=variants)
     assert flags == variants[3] and md.bias_token_ids.shape == (1, 0)
     md, flags = batch([SamplingParams(logit_bias={1: 1.0})], [3], config, variants=variants)

@@ -12,6 +12,10 @@ prompt's logprobs once, in the step that completes the prompt, and the parent ke
 resumed after preemption is not given them again, and children share the prompt, so only the first
 child asks for them (the others can then use its prompt blocks from the prefix cache).
 
+A structured-output request waits, off the scheduler, while its grammar compiles on a thread pool
+(`GrammarCompiler`), then runs with a copy of it; a grammar that does not compile fails its
+request alone (finish_reason "error", `error` says why).
+
 A request ends with finish_reason "abort" when aborted (its blocks freed at once, any token still in
 flight for it dropped), or "error" when its logits held NaN. `drain()` waits for every step in
 flight; `close()` drains and aborts the rest, and an engine never closed is drained when dropped or
@@ -27,6 +31,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 import jax
@@ -50,6 +55,7 @@ from jaxrunner.engine.model_files import local_model
 from jaxrunner.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
+from jaxrunner.engine.structured_output import GrammarCompiler, new_grammar
 from jaxrunner.pending_output import PendingOutput
 from jaxrunner.runner import Runner
 from jaxrunner.sampling_params import SamplingParams
@@ -145,7 +151,9 @@ class LLMEngine:
                         report["compiled"], report["compile_seconds"], report["lowering_seconds"], report["kv_cache_blocks"],
                         report["kv_cache_tokens"], report["kv_cache_gib"])
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config(self.config), self.block_manager)
+        self.scheduler = Scheduler(scheduler_config(self.config, self.model_config.vocab_size), self.block_manager)
+        self._grammars: GrammarCompiler | None = None  # made for the first structured-output request
+        self._compiling: list[tuple[_Parent, Future]] = []  # requests whose grammar is on its way
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._ready: list[RequestOutput] = []  # outputs the next step() returns first
@@ -167,6 +175,8 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids with skip_tokenizer_init=True")
         if params.bad_words and self.tokenizer is not None:
             params = params.with_bad_words_tokenized(self.tokenizer)
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured outputs need the tokenizer: leave skip_tokenizer_init off")
         self.runner.check_sampling_params(params, len(ids))
         return ProcessedPrompt(text, ids, params, self._prompt_error(ids))
 
@@ -216,12 +226,18 @@ class LLMEngine:
             if sp.logprobs is not None:
                 child.logprobs, child.cumulative_logprob = [], 0.0
             parent.children.append(child)
-        if clash := [c.request.req_id for c in parent.children if c.request.req_id in self.scheduler.requests]:
+        if clash := [c.request.req_id for c in parent.children if c.request.req_id in self._children]:
             raise ValueError(f"request ids {clash} are already in use")
         for child in parent.children:
-            self.scheduler.add_request(child.request)
             self._children[child.request.req_id] = (parent, child)
         self._parents[request_id] = parent
+        if sp.structured_outputs is None:
+            for child in parent.children:
+                self.scheduler.add_request(child.request)
+            return
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        self._compiling.append((parent, self._grammars.compile(sp.structured_outputs)))
 
     def abort_request(self, request_ids: Iterable[str], final_output: bool = True) -> None:
         """End requests wherever they are (waiting, running, or with a step in flight) and free their
@@ -232,20 +248,23 @@ class LLMEngine:
             if parent is None:
                 continue
             for child in parent.children:
-                self.scheduler.finish_requests([child.request.req_id], RequestStatus.FINISHED_ABORTED)
+                if child.request.req_id in self.scheduler.requests:
+                    self.scheduler.finish_requests([child.request.req_id], RequestStatus.FINISHED_ABORTED)
+                elif not child.request.is_finished:  # its grammar was still compiling
+                    child.request.status = RequestStatus.FINISHED_ABORTED
                 del self._children[child.request.req_id]
             if final_output:
                 self._ready.append(self._output(parent))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._ready) or self.scheduler.has_unfinished_requests()
+        return bool(self._ready or self._compiling) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """Dispatch one scheduled batch, then take the output of the batch before it (async
         scheduling: the device runs this step while the host works on the last one's tokens), or of
         this one; the outputs of requests that progressed or finished."""
         self._check_open()
-        outputs, self._ready = self._ready, []
+        outputs, self._ready = self._ready + self._admit_compiled(), []
         scheduled = False
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
@@ -254,6 +273,36 @@ class LLMEngine:
             scheduled = sched.total_num_scheduled_tokens > 0
         while len(self._in_flight) > (1 if self.args.async_scheduling and scheduled else 0):
             outputs += self._process(self._in_flight.popleft().get())
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand the requests whose grammar compiled to the scheduler, each child with its own copy,
+        and fail those whose grammar did not; wait for a grammar when nothing else can run."""
+        if not self._compiling:
+            return []
+        if not (self.scheduler.has_unfinished_requests() or self._in_flight):
+            wait([future for _, future in self._compiling], return_when=FIRST_COMPLETED)
+        outputs, waiting = [], []
+        for parent, future in self._compiling:
+            if self._parents.get(parent.request_id) is not parent:
+                continue  # aborted meanwhile
+            if not future.done():
+                waiting.append((parent, future))
+                continue
+            try:
+                template = future.result()
+            except Exception as e:  # the request fails alone, whatever broke its grammar
+                logger.warning("request %s failed: %s", parent.request_id, e)
+                for child in parent.children:
+                    child.request.status, child.request.error = RequestStatus.FINISHED_ERROR, str(e)
+                    del self._children[child.request.req_id]
+                del self._parents[parent.request_id]
+                outputs.append(self._output(parent))
+                continue
+            for child in parent.children:
+                child.request.grammar = new_grammar(template)
+                self.scheduler.add_request(child.request)
+        self._compiling = waiting
         return outputs
 
     def drain(self) -> None:
@@ -268,6 +317,8 @@ class LLMEngine:
             return
         self.drain()
         self.abort_request(list(self._parents), final_output=False)
+        if self._grammars is not None:
+            self._grammars.shutdown()
         self._finalizer()
         self._closed = True
 
@@ -336,8 +387,7 @@ class LLMEngine:
         request = child.request
         if child.detokenizer is None:
             return
-        stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
-        stop = child.detokenizer.update(tokens, stop_terminated)
+        stop = child.detokenizer.update(tokens, request.stopped_on_token)
         if stop is None:
             return
         request.stop_reason = stop

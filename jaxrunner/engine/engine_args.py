@@ -19,7 +19,7 @@ import jax
 from jaxrunner import platform
 from jaxrunner.checks import check_bool, check_int, is_real
 from jaxrunner.config import KERNEL_CHOICES, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig
-from jaxrunner.engine.default_model import default_model
+from jaxrunner.engine.default_model import default_model, default_model_config
 from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.loader import Checkpoint, open_checkpoint
@@ -160,8 +160,7 @@ def runner_config(
         sampler=args.sampler_config(),
         speculative=args.speculative(),
         kernels=args.kernels,
-        # GPU only: XLA:CPU crashed serializing executables for JAX's persistent cache (docs/benchmarks.md)
-        compilation_cache_dir=os.path.join(cache_dir(), "xla") if gpu else None,
+        compilation_cache_dir=os.path.join(cache_dir(), "xla"),
     )
     cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes, draft))
     if cfg.num_blocks * cfg.block_size < max_model_len:
@@ -173,7 +172,7 @@ def runner_config(
     return cfg
 
 
-def scheduler_config(cfg: RunnerConfig) -> SchedulerConfig:
+def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
     return SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -181,6 +180,7 @@ def scheduler_config(cfg: RunnerConfig) -> SchedulerConfig:
         num_scheduler_steps=cfg.num_scheduler_steps,
         num_speculative_tokens=cfg.speculative.num_speculative_tokens,
         num_lookahead_tokens=cfg.speculative.num_lookahead_tokens,
+        vocab_size=vocab_size,
     )
 
 
@@ -232,15 +232,18 @@ def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) ->
 
 
 def load_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple[ModelConfig, Params] | None:
-    """The draft model of speculative_config's method "draft_model" (a checkpoint, like `model`)."""
+    """The draft model of speculative_config's method "draft_model" (a checkpoint or the tiny
+    model's name, like `model`)."""
     spec = args.speculative()
     if not (spec.enabled and spec.method == "draft_model"):
         return None
-    checkpoint = open_checkpoint(local_model(spec.model, need_tokenizer=False))
-    if checkpoint.config.vocab_size != target.vocab_size:
-        raise ValueError(f"speculative_config: the draft model {spec.model!r} has {checkpoint.config.vocab_size} tokens, "
+    path = local_model(spec.model, need_tokenizer=False)
+    checkpoint = None if path is None else open_checkpoint(path)
+    config = default_model_config() if checkpoint is None else checkpoint.config
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model {spec.model!r} has {config.vocab_size} tokens, "
                          f"the target {target.vocab_size}; the draft model must share the target's vocabulary")
-    return checkpoint.config, checkpoint.load(dtype)
+    return default_model(dtype) if checkpoint is None else (config, checkpoint.load(dtype))
 
 
 def warm_up(args: EngineArgs) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from jaxrunner.engine.structured_output import Grammar
 from jaxrunner.sampling_params import SamplingParams
 
 
@@ -54,6 +55,8 @@ class Request:
     error: str | None = None  # why a request that finished with an error did
     # Chained hashes of the full blocks of `all_token_ids`, filled lazily by the block manager.
     block_hashes: list[int] = field(default_factory=list)
+    grammar: Grammar | None = None  # structured output: where the output is in its grammar
+    draft_token_ids: list[int] = field(default_factory=list)  # a structured request's next drafts, from the runner
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -81,18 +84,31 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
+    @property
+    def stopped_on_token(self) -> bool:
+        """Whether its last token, EOS or a stop token id, ended it (that token's text is not output;
+        a grammar that completed ends a request on a token of the text)."""
+        last = self.output_token_ids[-1] if self.output_token_ids else None
+        return self.status == RequestStatus.FINISHED_STOPPED and (last in self.eos_token_ids or last == self.stop_reason)
+
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """After a token is appended: the finished status it causes, if any (vLLM's order of checks).
         This is the one place that ends a request on a token: EOS (stop_reason None), a stop token id
-        (stop_reason that id), max_tokens or the model length."""
+        (stop_reason that id), a grammar that is complete, max_tokens or the model length. A
+        structured request's grammar takes the token here; one it does not allow is an error."""
         params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.grammar is not None and not self.grammar.accept(last):
+            self.error = f"output token {last} does not follow the request's grammar ({self.grammar.error})"
+            return RequestStatus.FINISHED_ERROR
         if self.num_output_tokens >= params.min_tokens:
-            last = self.output_token_ids[-1]
             if last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in (params.stop_token_ids or ()):
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.stopped:
+            return RequestStatus.FINISHED_STOPPED
         if self.num_tokens >= max_model_len or self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None

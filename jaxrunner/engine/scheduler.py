@@ -21,6 +21,12 @@ them (and a draft model's k proposals past them). The drafts are the device's (-
 scheduler counts every draft as accepted while the step is in flight (its blocks and lengths are
 then upper bounds), and takes the rejected ones back off `num_computed_tokens` when the output
 comes: async scheduling needs no wait. `spec_stats` counts drafts and acceptances.
+
+A structured request (one with a `grammar`) needs its last token before its next mask, so it is
+not scheduled while a step of it is in flight (the others keep overlapping), nor in a multi-step
+call. Its drafts are the ones the device proposed last (`RunnerOutput.draft_token_ids`), cut where
+the grammar stops allowing them; the step carries a mask per token it may sample
+(`grammar_bitmask`, rows named by `structured_output_request_ids`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.request import Request, RequestStatus
+from jaxrunner.engine.structured_output import fill_bitmask
 from jaxrunner.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput, decode_steps
 
 
@@ -42,6 +49,7 @@ class SchedulerConfig:
     num_scheduler_steps: int = 1
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0  # KV slots a step writes past its tokens (a draft model's proposals)
+    vocab_size: int = 0  # the width of structured requests' masks
 
 
 # Draft tokens for a request, given how many the step can take (vLLM's host-side proposers).
@@ -131,9 +139,12 @@ class Scheduler:
             if request.reached_limit or request.num_expected_tokens >= self.config.max_model_len:
                 i += 1  # the tokens on their way finish it
                 continue
+            if request.grammar is not None and request.num_pending_tokens:
+                i += 1  # its next mask needs the token on its way
+                continue
             n = min(request.num_expected_tokens - request.num_computed_tokens, budget)
-            num_drafts = self._num_drafts(request, budget)
-            n += num_drafts
+            draft_ids = self._drafts(request, self._num_drafts(request, budget))
+            n += len(draft_ids)
             extra = self._lookahead(request.num_computed_tokens + n)
             fresh = self.block_manager.allocate_slots(request, n + extra)
             while fresh is None:
@@ -145,8 +156,8 @@ class Scheduler:
                 fresh = self.block_manager.allocate_slots(request, n + extra)
             if fresh is None:
                 break
-            if num_drafts:
-                drafts[request.req_id] = self.proposer(request, num_drafts) if self.proposer else [-1] * num_drafts
+            if draft_ids:
+                drafts[request.req_id] = draft_ids
             num_scheduled[request.req_id] = n
             new_blocks[request.req_id] = fresh
             budget -= n
@@ -171,7 +182,9 @@ class Scheduler:
             budget -= n
 
         steps = self._decode_steps(num_scheduled, new_blocks) if not (admitted or preempted) else None
-        out = self._build_output(admitted, num_scheduled, new_blocks, preempted, steps, drafts)
+        structured = [r for r in map(self.requests.get, num_scheduled) if r.grammar is not None
+                      and r.num_computed_tokens + num_scheduled[r.req_id] >= r.num_expected_tokens]  # those that sample
+        out = self._build_output(admitted, num_scheduled, new_blocks, preempted, steps, drafts, structured)
         scheduled = {}
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
@@ -186,6 +199,19 @@ class Scheduler:
             scheduled[req_id] = (request, request.num_preemptions, num_sampled, num_drafts)
         self._in_flight.append(scheduled)
         return out
+
+    def _drafts(self, request: Request, num_drafts: int) -> list[int]:
+        """A decode's drafts: the host proposer's, a structured request's from the device's last
+        proposal, else placeholders for the device's; a grammar keeps those it allows."""
+        if not num_drafts:
+            return []
+        if self.proposer is not None:
+            drafts = self.proposer(request, num_drafts)[:num_drafts]
+        elif request.grammar is not None:
+            drafts = request.draft_token_ids[:num_drafts]
+        else:
+            return [-1] * num_drafts
+        return request.grammar.valid_drafts(drafts) if request.grammar is not None else drafts
 
     def _lookahead(self, reach: int) -> int:
         """Slots past a step's tokens that the step writes too: a draft model's k steps ahead."""
@@ -207,7 +233,8 @@ class Scheduler:
         their blocks for the extra steps can be had (None otherwise: one step)."""
         k = self.config.num_scheduler_steps
         requests = [self.requests[rid] for rid in num_scheduled]
-        if k == 1 or not requests or any(r.num_computed_tokens + 1 != r.num_expected_tokens for r in requests):
+        if k == 1 or not requests or any(r.num_computed_tokens + 1 != r.num_expected_tokens or r.grammar is not None
+                                         for r in requests):
             return None
         steps = {
             r.req_id: decode_steps(k, r.num_expected_tokens, r.num_output_tokens + r.num_pending_tokens,
@@ -231,6 +258,7 @@ class Scheduler:
         preempted: list[Request],
         steps: dict[str, int] | None,
         drafts: dict[str, list[int]],
+        structured: list[Request],
     ) -> SchedulerOutput:
         new_reqs = [
             NewRequestData(
@@ -251,6 +279,11 @@ class Scheduler:
             num_computed_tokens=[self.requests[rid].num_computed_tokens for rid in cached_ids],
         )
         finished, self._finished_in_runner = self._finished_in_runner, set()
+        rows, row = {}, 0
+        for r in structured:
+            rows[r.req_id] = row
+            row += 1 + len(drafts.get(r.req_id, ()))
+        masks = [(r.grammar, drafts.get(r.req_id, [])) for r in structured]
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -260,6 +293,8 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids={r.req_id for r in preempted},
             num_steps=self.config.num_scheduler_steps if steps else 1,
+            structured_output_request_ids=rows,
+            grammar_bitmask=fill_bitmask(masks, self.config.vocab_size) if masks else None,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -289,6 +324,8 @@ class Scheduler:
             if num_drafts:  # the rejected drafts' KV does not count; the next steps overwrite it
                 request.num_computed_tokens -= expected - len(sampled)
                 self.spec_stats.add(num_drafts, len(sampled) - 1)
+            if request.grammar is not None:
+                request.draft_token_ids = out.draft_token_ids.get(req_id, [])
             if nans := out.num_nans_in_logits.get(req_id, 0):
                 self.num_nans_in_logits += nans
                 request.num_nans_in_logits += nans

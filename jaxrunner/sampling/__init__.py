@@ -5,15 +5,17 @@ Host side (numpy, `metadata.py`), for a model of `vocab_size` tokens and the eng
 - `prepare_request(params, seed, prompt_len, config, vocab_size, eos_token_ids) -> RequestSampling`,
   once per request when it arrives (also after preemption); raises ValueError for what the model or
   limits rule out. `seed` is params.seed or a 64-bit seed the runner drew.
-- `build_sampling_metadata(requests, positions, num_rows, config, vocab_size, variants=()) ->
+- `build_sampling_metadata(requests, positions, num_rows, config, vocab_size, variants=(), grammar_bitmask=None,
+  masks_per_row=1) ->
   (SamplingMetadata, SamplerFlags)` every step, for the B = num_rows rows of a request bucket;
-  positions[i] is the position of the token row i samples (= the tokens before it).
+  positions[i] is the position of the token row i samples (= the tokens before it);
+  `grammar_bitmask` (i32 [len(requests), masks_per_row * ceil(V / 32)]) turns on grammar masks.
 - `SamplerFlags` (hashable, a static jit argument): penalties, top_k_top_p, min_p, logit_bias,
-  allowed_token_ids, bad_words, min_tokens, num_logprobs (-1: none, else the logprobs width),
-  logprobs_mode, count_nans. The flags fix every shape, so graphs = distinct flags x request
+  allowed_token_ids, bad_words, min_tokens, grammar, num_logprobs (-1: none, else the logprobs
+  width), logprobs_mode, count_nans. The flags fix every shape, so graphs = distinct flags x request
   buckets. With `variants=flag_variants(config, vocab_size)` each batch is promoted to the first
-  of 6 covering variants (plain, top-k/top-p/min-p, everything; each without and with logprobs):
-  6 x R graphs, all known in advance (`neutral_metadata(B, config, vocab_size, flags)` is the
+  of 12 covering variants (plain, top-k/top-p/min-p, everything; each without and with logprobs;
+  those six without and with grammar masks): 12 x R graphs, all known in advance (`neutral_metadata(B, config, vocab_size, flags)` is the
   example input for AOT compiles). Without `variants`, each combination met compiles.
 
 Device side (pure, jittable; `sampler.py`):
@@ -44,6 +46,7 @@ from jaxrunner.sampling.metadata import (
     SamplingMetadata,
     build_sampling_metadata,
     flag_variants,
+    mask_words,
     neutral_metadata,
     prepare_request,
 )
@@ -61,6 +64,7 @@ __all__ = [
     "compute_logprobs",
     "draft_sample",
     "flag_variants",
+    "mask_words",
     "neutral_metadata",
     "prepare_request",
     "process_logits",

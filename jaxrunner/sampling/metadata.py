@@ -6,12 +6,13 @@ arrives (and raises a ValueError for anything the engine's limits rule out). Eve
 the bucket) and says, in a hashable `SamplerFlags`, which features the batch needs: the flags are a
 static argument of the jitted sampler, so a batch only pays for the features some row uses.
 
-Variable-width data (logit bias, allowed ids, min-tokens stop ids, bad words) travels in arrays of
-a fixed width from `SamplerConfig` when its flag is on, and of width 0 when it is off; the flags
-therefore fix every shape, and the number of graphs is the number of distinct flags per request
-bucket. Passing `variants` (e.g. `flag_variants(config, vocab_size)`, 6 of them) promotes each batch to the
-first variant that covers it, so exactly those graphs arise; without `variants` a graph arises per
-combination actually met (at most 2**8 per bucket).
+Variable-width data (logit bias, allowed ids, min-tokens stop ids, bad words, grammar masks)
+travels in arrays of a fixed width (from `SamplerConfig`; ceil(V / 32) words per mask) when its flag
+is on, and of width 0 when it is off; the flags therefore fix every shape, and the number of graphs
+is the number of distinct flags per request bucket. Passing `variants` (e.g.
+`flag_variants(config, vocab_size)`, 12 of them) promotes each batch to the first variant that
+covers it, so exactly those graphs arise; without `variants` a graph arises per combination
+actually met (at most 2**9 per bucket).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ LIST_COLUMNS = (
     ("allowed_token_ids", ("allowed_token_ids",)),
     ("bad_words", ("bad_words",)),
 )
-FEATURES = ("penalties", "top_k_top_p", "min_p", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens")
+FEATURES = ("penalties", "top_k_top_p", "min_p", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens", "grammar")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class SamplerFlags:
     allowed_token_ids: bool = False
     bad_words: bool = False
     min_tokens: bool = False
+    grammar: bool = False  # some row has a grammar mask (structured output)
     num_logprobs: int = NO_LOGPROBS
     logprobs_mode: str = SamplerConfig.logprobs_mode
     count_nans: bool = False
@@ -74,12 +76,14 @@ class SamplerFlags:
 @functools.cache  # asked every step; the answer depends on the engine-wide config only
 def flag_variants(config: SamplerConfig, vocab_size: int) -> tuple[SamplerFlags, ...]:
     """A small covering set of graphs, cheapest first: plain, truncation (top-k/top-p/min-p),
-    everything; each without and with logprobs. The last covers every batch."""
+    everything; each without and with logprobs; then the six again with grammar masks. The last
+    covers every batch."""
     plain = SamplerFlags(logprobs_mode=config.logprobs_mode, count_nans=config.count_nans)
     truncation = dataclasses.replace(plain, top_k_top_p=True, min_p=True)
-    everything = dataclasses.replace(plain, **{f: True for f in FEATURES})
+    everything = dataclasses.replace(plain, **{f: f != "grammar" for f in FEATURES})
     with_logprobs = functools.partial(dataclasses.replace, num_logprobs=config.logprobs_width(vocab_size))
-    return tuple(v for f in (plain, truncation, everything) for v in (f, with_logprobs(f)))
+    base = tuple(v for f in (plain, truncation, everything) for v in (f, with_logprobs(f)))
+    return base + tuple(dataclasses.replace(v, grammar=True) for v in base)
 
 
 @pytree_dataclass
@@ -106,6 +110,9 @@ class SamplingMetadata:
     stop_token_ids: jax.Array  # i32 [B, Ws]; banned while positions < min_lens (min_tokens); V = unused
     min_lens: jax.Array  # i32 [B]: prompt_len + min_tokens
     bad_words: jax.Array  # i32 [B, Nw, Lw]: token ids right-aligned, -1 before a word and in unused words
+    # i32 [B, M * W]: M grammar masks of W = ceil(V / 32) words per row (one per token it may sample:
+    # M = 1 + k with k drafts); bit j of word i allows token 32 i + j; -1 (all allowed) without a grammar
+    grammar_bitmask: jax.Array
 
 
 @dataclass(frozen=True)
@@ -198,12 +205,15 @@ def build_sampling_metadata(
     config: SamplerConfig,
     vocab_size: int,
     variants: Sequence[SamplerFlags] = (),
+    grammar_bitmask: np.ndarray | None = None,
+    masks_per_row: int = 1,
 ) -> tuple[SamplingMetadata, SamplerFlags]:
     """Numpy metadata for a bucket of `num_rows` rows (the first len(requests) used) and its flags.
 
     `positions[i]` is the position of the token row i samples (a lower bound will do: the stop-token
     ban of min_tokens is checked again on the device, against the row's true position). With `variants`, the flags are the
-    first variant that covers the batch (the batch's own flags if none does).
+    first variant that covers the batch (the batch's own flags if none does). `grammar_bitmask`
+    (i32 [len(requests), masks_per_row * ceil(V / 32)]) holds the rows' grammar masks, when some row has one.
     """
     n = len(requests)
     if n > num_rows or len(positions) != n:
@@ -212,6 +222,8 @@ def build_sampling_metadata(
     features = set().union(*(r.features for r in requests)) - {"min_tokens"}
     if banning:
         features.add("min_tokens")
+    if grammar_bitmask is not None:
+        features.add("grammar")
     wants_logprobs = any(r.num_logprobs != NO_LOGPROBS for r in requests)
     needed = SamplerFlags(
         **{f: f in features for f in FEATURES},
@@ -221,7 +233,9 @@ def build_sampling_metadata(
     )
     flags = next((v for v in variants if v.covers(needed)), needed)
 
-    md = neutral_metadata(num_rows, config, vocab_size, flags)
+    md = neutral_metadata(num_rows, config, vocab_size, flags, masks_per_row)
+    if grammar_bitmask is not None:
+        md.grammar_bitmask[:n] = grammar_bitmask
     for name in SCALARS:
         getattr(md, name)[:n] = [getattr(r, name) for r in requests]
     seeds = np.array([r.seed for r in requests], np.uint64)
@@ -240,7 +254,9 @@ def build_sampling_metadata(
     return md, flags
 
 
-def neutral_metadata(num_rows: int, config: SamplerConfig, vocab_size: int, flags: SamplerFlags) -> SamplingMetadata:
+def neutral_metadata(
+    num_rows: int, config: SamplerConfig, vocab_size: int, flags: SamplerFlags, masks_per_row: int = 1
+) -> SamplingMetadata:
     """Metadata of `num_rows` padding rows shaped for `flags` (also the example input for AOT compiles)."""
     vocab, b = vocab_size, num_rows
 
@@ -268,4 +284,10 @@ def neutral_metadata(num_rows: int, config: SamplerConfig, vocab_size: int, flag
             -1,
             np.int32,
         ),
+        grammar_bitmask=np.full((b, width(flags.grammar, masks_per_row * mask_words(vocab))), -1, np.int32),
     )
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words in one grammar mask: a bit per token."""
+    return (vocab_size + 31) // 32

@@ -1,6 +1,6 @@
 """The device side of the sampler: logits processing in vLLM's order, Gumbel-max sampling, logprobs.
 
-Order (vLLM model runner v2): NaN -> -inf; allowed token ids; logit bias; min-tokens stop bans;
+Order (vLLM model runner v2): NaN -> -inf; grammar masks (structured output); allowed token ids; logit bias; min-tokens stop bans;
 repetition/frequency/presence penalties; bad words; temperature (greedy rows keep T = 1); min-p;
 top-k then top-p; then argmax(logits + Gumbel noise), or plain argmax for greedy rows.
 
@@ -64,6 +64,8 @@ def process_logits(
     batch, vocab = logits.shape
     rows = jnp.arange(batch)[:, None]
     x = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
+    if flags.grammar:
+        x = apply_grammar_bitmask(x, md.grammar_bitmask)
     if flags.allowed_token_ids:
         allowed = jnp.zeros((batch, vocab), bool).at[rows, md.allowed_token_ids].set(True, mode="drop")
         restricted = jnp.any(md.allowed_token_ids < vocab, axis=1, keepdims=True)
@@ -84,6 +86,13 @@ def process_logits(
     if flags.top_k_top_p:
         x = top_k_top_p(x, md.top_k, md.top_p, kernels)
     return x
+
+
+def apply_grammar_bitmask(x: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where the row's mask (i32 [B, ceil(V / 32)], bit j of word i for token 32 i + j) says no."""
+    batch, vocab = x.shape
+    bits = jnp.right_shift(bitmask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    return jnp.where(bits.reshape(batch, -1)[:, :vocab] == 1, x, -jnp.inf)
 
 
 def apply_penalties(x: jax.Array, md: SamplingMetadata, history: jax.Array) -> jax.Array:

@@ -1,0 +1,346 @@
+"""Structured output: grammar masks from llguidance, applied on the device before every other
+logits processor.
+
+With the real default model (SmolLM2-135M-Instruct), every output follows its JSON schema, regex,
+choice or Lark grammar; with the tiny random model, the machinery: plain requests keep exactly their
+tokens beside structured ones, a bad grammar fails its request alone, async scheduling holds a
+structured request back only until its token is home, and drafts are cut and masked by the grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax.numpy as jnp
+import jsonschema
+import lark
+import llguidance.numpy
+import numpy as np
+import pytest
+from test_async_multistep import ENGINE
+
+from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput, StructuredOutputsParams
+from jaxrunner.config import Kernels, SamplerConfig
+from jaxrunner.engine.default_model import default_model
+from jaxrunner.sampling import build_sampling_metadata, mask_words, prepare_request, process_logits
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                      "population": {"type": "integer", "minimum": 1000}},
+     "required": ["city", "population"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 3, "maxItems": 5},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"temperature": {"type": "number", "minimum": -50, "maximum": 50},
+                                      "unit": {"enum": ["C", "F"]}},
+     "required": ["temperature", "unit"], "additionalProperties": False},
+    {"type": "object", "properties": {"user": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 1}, "email": {"type": "string", "maxLength": 30}},
+        "required": ["id", "email"], "additionalProperties": False}},
+     "required": ["user"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "boolean"},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "count": {"type": "integer", "minimum": 0, "maximum": 10}},
+     "required": ["ok", "count"], "additionalProperties": False},
+    {"type": "string", "enum": ["yes", "no", "maybe"]},
+    {"type": "object", "properties": {"point": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}},
+     "required": ["point"], "additionalProperties": False},
+    {"type": "object", "properties": {"title": {"type": "string", "minLength": 3, "maxLength": 30},
+                                      "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+                                      "genre": {"enum": ["drama", "comedy", "horror"]}},
+     "required": ["title", "year", "genre"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        "type": "object", "properties": {"sku": {"type": "string", "maxLength": 8}, "qty": {"type": "integer", "minimum": 1, "maximum": 99}},
+        "required": ["sku", "qty"], "additionalProperties": False}}},
+     "required": ["items"], "additionalProperties": False},
+    {"type": "integer", "minimum": 10, "maximum": 20},
+    {"type": "object", "properties": {"status": {"const": "done"}, "code": {"type": "integer", "enum": [200, 404, 500]}},
+     "required": ["status", "code"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {
+        "type": "object", "properties": {"c": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["c"],
+        "additionalProperties": False}}, "required": ["b"], "additionalProperties": False}},
+     "required": ["a"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 15},
+                                      "nickname": {"type": ["string", "null"], "maxLength": 15}},
+     "required": ["name", "nickname"], "additionalProperties": False},
+    {"type": "object", "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["score"],
+     "additionalProperties": False},
+    {"type": "array", "items": {"enum": ["north", "south", "east", "west"]}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}, "active": {"type": "boolean"}},
+     "required": ["id", "active"], "additionalProperties": False},
+]
+REGEXES = {
+    "Today's date, as YYYY-MM-DD:": r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])",
+    "Call us at this US phone number:": r"\(\d{3}\) \d{3}-\d{4}",
+    "An international phone number:": r"\+\d{1,3} \d{2,4} \d{3} \d{4}",
+}
+CHOICES = {"The capital of France is": ["Paris", "London", "Berlin"], "Is the sky green? Answer:": ["yes", "no"]}
+ARITHMETIC = r"""
+start: expr
+expr: term (("+" | "-") term)~0..3
+term: factor (("*" | "/") factor)~0..2
+factor: NUMBER | "(" expr ")"
+NUMBER: /[0-9]{1,3}/
+"""
+CHECKED = SamplingParams(temperature=0.0, max_tokens=120)
+
+
+def structured(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=StructuredOutputsParams(**kwargs))
+
+
+@pytest.fixture(scope="module")
+def real_llm() -> LLM:
+    return LLM(max_model_len=512, max_num_seqs=32, num_gpu_blocks_override=1100)  # a fixed cache: GPU tests hold two engines
+
+
+@pytest.fixture(scope="module")
+def real_outputs(real_llm):
+    """Every structured request of the real-model tests, in one batch."""
+    requests = [(f"Write one JSON value that follows this schema: {json.dumps(s)}\nJSON:", structured(json=s))
+                for s in SCHEMAS]
+    requests += [(p, structured(regex=r)) for p, r in REGEXES.items()]
+    requests += [(p, structured(choice=c)) for p, c in CHOICES.items()]
+    requests += [("An arithmetic expression that equals 12:", structured(grammar=ARITHMETIC))]
+    outs = real_llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def test_every_json_output_parses_and_follows_its_schema(real_outputs):
+    for schema, out in zip(SCHEMAS, real_outputs):
+        assert out.finish_reason == "stop", (schema, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_regex_outputs_match_whole(real_outputs):
+    for regex, out in zip(REGEXES.values(), real_outputs[len(SCHEMAS):]):
+        assert re.fullmatch(regex, out.text), (regex, out.text)
+
+
+def test_choice_returns_one_of_the_choices_and_ends_there(real_llm, real_outputs):
+    outs = real_outputs[len(SCHEMAS) + len(REGEXES):][: len(CHOICES)]
+    for (prompt, choices), out in zip(CHOICES.items(), outs):
+        assert out.text in choices and out.finish_reason == "stop"
+        # The grammar ended the request on the choice's last token: no EOS step after it.
+        assert out.token_ids == real_llm.get_tokenizer().encode(out.text, add_special_tokens=False)
+
+
+def test_lark_grammar_output_parses(real_outputs):
+    text = real_outputs[-1].text
+    assert text and lark.Lark(ARITHMETIC).parse(text)
+
+
+def test_the_masks_change_what_the_model_writes(real_llm, real_outputs):
+    """Unconstrained, the model writes no bare choice and no fully-matching date: the grammar did it."""
+    prompts = [*REGEXES][:1] + [*CHOICES][:1]
+    free = [o.outputs[0].text for o in real_llm.generate(prompts, CHECKED, use_tqdm=False)]
+    assert not re.fullmatch(REGEXES[prompts[0]], free[0]) and free[1] not in CHOICES[prompts[1]]
+    asked = real_llm.llm_engine.runner.programs.asked
+    assert any(key[0] == "sample" and key[2].grammar for key in asked)
+
+
+def test_bitmask_on_the_device_matches_llguidance_reference():
+    rng = np.random.default_rng(0)
+    batch, vocab = 5, 1000
+    logits = rng.normal(size=(batch, vocab)).astype(np.float32)
+    masks = rng.integers(-2**31, 2**31, size=(batch, mask_words(vocab)), dtype=np.int64).astype(np.int32)
+    masks[2] = -1  # a row without a grammar
+    config = SamplerConfig()
+    rows = [prepare_request(SamplingParams(temperature=1.0), i, 3, config, vocab) for i in range(batch)]
+    md, flags = build_sampling_metadata(rows, [3] * batch, batch, config, vocab, grammar_bitmask=masks)
+    assert flags.grammar
+    got = np.asarray(process_logits(jnp.asarray(logits), md, flags, jnp.zeros((batch, 0), jnp.int32), Kernels.choose("reference")))
+    want = logits.copy()
+    llguidance.numpy.apply_token_bitmask_inplace(want, masks)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got[~np.isinf(got)], want[~np.isinf(want)], rtol=1e-6)
+    assert np.isinf(want).sum() > batch * vocab // 3 and not np.isinf(got[2]).any()
+
+
+# The tiny random model: random text, so the grammar does all the work.
+PLAIN = [
+    ("Hello, my name is", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)),
+    ("Once upon a time", SamplingParams(temperature=0.9, seed=5, max_tokens=18, top_p=0.9)),
+    ("abc", SamplingParams(temperature=1.0, seed=11, max_tokens=15, presence_penalty=0.4, logprobs=2)),
+]
+TINY_STRUCTURED = [
+    ("Give a date:", SamplingParams(temperature=0.8, seed=1, max_tokens=30,
+                                    structured_outputs=StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}"))),
+    ("JSON:", SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+        json={"type": "object", "properties": {"k": {"enum": ["aa", "bb"]}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["k", "n"], "additionalProperties": False}, disable_any_whitespace=True))),
+    ("Pick:", SamplingParams(temperature=1.0, seed=2, n=2, max_tokens=10,
+                             structured_outputs=StructuredOutputsParams(choice=["left", "right", "up"]))),
+]
+
+
+def tiny_generate(requests, **engine):
+    llm = LLM(**{**ENGINE, "max_num_seqs": 8, "max_num_batched_tokens": 128, "num_gpu_blocks_override": 64} | engine)
+    outs = llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs], [o.error for o in outs], llm
+
+
+def check_tiny_structured(outs) -> None:
+    date, obj, picks = outs
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date[0][1])
+    assert json.loads(obj[0][1])["k"] in ("aa", "bb")
+    assert len(picks) == 2 and all(text in ("left", "right", "up") for _, text, _ in picks)
+
+
+@pytest.fixture(scope="module")
+def plain_alone():
+    return tiny_generate(PLAIN, async_scheduling=False)[0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_plain_requests_beside_structured_ones_keep_their_tokens(plain_alone, async_scheduling):
+    outs, errors, _ = tiny_generate(PLAIN + TINY_STRUCTURED, async_scheduling=async_scheduling)
+    assert outs[: len(PLAIN)] == plain_alone and not any(errors)
+    check_tiny_structured(outs[len(PLAIN):])
+
+
+def test_a_grammar_that_does_not_compile_fails_its_request_alone(plain_alone):
+    bad = [
+        ("x", structured(regex="[a-")),
+        ("x", structured(json={"type": "object", "properties": {"a": {"type": "nonsense"}}})),
+        ("x", structured(grammar="start: (")),
+    ]
+    outs, errors, llm = tiny_generate(PLAIN + bad + TINY_STRUCTURED)
+    assert outs[: len(PLAIN)] == plain_alone
+    check_tiny_structured(outs[len(PLAIN) + len(bad):])
+    failed = slice(len(PLAIN), len(PLAIN) + len(bad))
+    for out, error in zip(outs[failed], errors[failed], strict=True):
+        assert out[0][2] == "error" and "grammar" in error and not out[0][0]
+    assert "regex" in errors[len(PLAIN)] and "nonsense" in errors[len(PLAIN) + 1]
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def recorded_schedules(llm: LLM) -> list:
+    """Every SchedulerOutput the engine's scheduler makes from now on."""
+    scheduler, seen = llm.llm_engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording():
+        seen.append(schedule())
+        return seen[-1]
+
+    scheduler.schedule = recording
+    return seen
+
+
+def test_async_scheduling_holds_a_structured_request_only_until_its_token_is_back():
+    requests = PLAIN[:1] + TINY_STRUCTURED[:1]
+    want = tiny_generate(requests, async_scheduling=False)[0]
+    llm = LLM(**{**ENGINE, "max_num_seqs": 8, "max_num_batched_tokens": 128})
+    seen = recorded_schedules(llm)
+    outs = llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+    assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs] == want
+    plain_steps = [i for i, out in enumerate(seen) if "0" in out.num_scheduled_tokens]
+    masked_steps = [i for i, out in enumerate(seen) if "1" in out.structured_output_request_ids]
+    assert len(masked_steps) > 3 and all(b - a >= 2 for a, b in zip(masked_steps, masked_steps[1:]))
+    assert any(b - a == 1 for a, b in zip(plain_steps, plain_steps[1:]))  # the plain request overlaps
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+REPEATING = [("aaaa", SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+    regex=r"(ab){5,10}c")))]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_drafts_and_grammar_work_together(async_scheduling):
+    """Outputs equal those without drafts; drafts of the structured requests were accepted, each
+    with a mask of its own."""
+    want = tiny_generate(PLAIN + TINY_STRUCTURED + REPEATING, async_scheduling=False)[0]
+    outs, errors, llm = tiny_generate(PLAIN + TINY_STRUCTURED + REPEATING, speculative_config=NGRAM,
+                                      async_scheduling=async_scheduling)
+    assert outs == want and not any(errors)
+    assert re.fullmatch(r"(ab){5,10}c", outs[-1][0][1])
+    assert llm.llm_engine.stats().spec_decoding["num_accepted_tokens"] > 0
+
+
+def test_structured_drafts_carry_a_mask_each():
+    llm = LLM(**{**ENGINE, "max_num_seqs": 8}, speculative_config=NGRAM)
+    seen = recorded_schedules(llm)
+    out = llm.generate([p for p, _ in REPEATING], REPEATING[0][1], use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(r"(ab){5,10}c", out.text)
+    drafted = [s for s in seen if s.scheduled_spec_decode_tokens]
+    assert drafted and all(s.grammar_bitmask.shape[0] == 1 + len(s.scheduled_spec_decode_tokens["0"]) for s in drafted)
+    assert all(-1 not in s.scheduled_spec_decode_tokens["0"] for s in drafted)  # the host's copy of the device's
+
+
+def test_draft_model_drafts_and_grammar_work_together():
+    draft = {"method": "draft_model", "model": ENGINE["model"], "num_speculative_tokens": 2}
+    want = tiny_generate(TINY_STRUCTURED + REPEATING, async_scheduling=False)[0]
+    outs, errors, llm = tiny_generate(TINY_STRUCTURED + REPEATING, speculative_config=draft)
+    assert outs == want and not any(errors)
+    assert llm.llm_engine.stats().spec_decoding["num_accepted_tokens"] > 0
+
+
+def test_the_grammar_cuts_drafts_it_does_not_allow():
+    """A host proposer offers drafts that leave the grammar: the scheduler keeps the valid prefix
+    and the step carries a mask for each kept draft."""
+    llm = LLM(**{**ENGINE, "max_num_seqs": 8}, speculative_config=NGRAM)
+    tokenizer = llm.get_tokenizer()
+    offered, asked = tokenizer.encode("abz", add_special_tokens=False), []
+    llm.llm_engine.scheduler.proposer = lambda request, n: asked.append(n) or offered[:n]
+    seen = recorded_schedules(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=r"(ab)+c"))
+    out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(r"(ab)+c", out.text)
+    drafts = [s.scheduled_spec_decode_tokens["0"] for s in seen if s.scheduled_spec_decode_tokens]
+    # "z" never follows "ab" in the grammar: offered 3 drafts, a step keeps "ab" at most.
+    assert 3 in asked and drafts and all(d == offered[: len(d)] and len(d) <= 2 for d in drafts)
+    assert all(s.grammar_bitmask.shape[0] == 1 + len(s.scheduled_spec_decode_tokens.get("0", ())) for s in seen
+               if s.structured_output_request_ids)
+
+
+def test_structured_output_params_are_checked():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputsParams(json="{not json")
+    with pytest.raises(ValueError, match="non-empty strings"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": {}})
+    llm = LLM(**ENGINE, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="need the tokenizer"):
+        llm.generate([[5, 6]], structured(regex="a"), use_tqdm=False)
+
+
+def test_runner_rejects_bad_masks_and_stays_usable():
+    model, params = default_model()
+    runner = Runner(model, params, RunnerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, num_blocks=16,
+                                                block_size=8))
+    state = runner.init_state()
+    words = mask_words(model.vocab_size)
+    new = NewRequestData("r", [5, 6, 7], ([0],), 0, SamplingParams(temperature=0.0))
+
+    def sched(**kwargs):
+        base = dict(scheduled_new_reqs=[new], num_scheduled_tokens={"r": 3}, total_num_scheduled_tokens=3)
+        return SchedulerOutput(**base | kwargs)
+
+    cases = {
+        "go together": dict(structured_output_request_ids={"r": 0}),
+        "int32 numpy array": dict(structured_output_request_ids={"r": 0}, grammar_bitmask=np.zeros((1, words), np.int64)),
+        "do not fit": dict(structured_output_request_ids={"r": 1}, grammar_bitmask=np.zeros((1, words), np.int32)),
+        "not scheduled": dict(structured_output_request_ids={"q": 0}, grammar_bitmask=np.zeros((1, words), np.int32)),
+        "samples no token": dict(structured_output_request_ids={"r": 0}, grammar_bitmask=np.zeros((1, words), np.int32),
+                                 num_scheduled_tokens={"r": 2}, total_num_scheduled_tokens=2),
+    }
+    for match, kwargs in cases.items():
+        with pytest.raises(ValueError, match=match):
+            runner.step(state, sched(**kwargs))
+    only = np.zeros((1, words), np.int32)
+    only[0, 9 // 32] = 1 << (9 % 32)  # token 9 alone
+    state, out = runner.step(state, sched(structured_output_request_ids={"r": 0}, grammar_bitmask=only))
+    assert out.sampled_token_ids == [[9]]
