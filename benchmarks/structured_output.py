@@ -43,6 +43,14 @@ def run(llm: LLM, prompts: list[list[int]], structured: int, new: int) -> dict:
         return masks
 
     scheduler_module.fill_bitmask = timed_fill
+    schedule, scheduled = engine.scheduler.schedule, []
+
+    def recorded_schedule():  # whether the step prefills: some request takes more than one token
+        out = schedule()
+        scheduled.append(out.total_num_scheduled_tokens > len(out.num_scheduled_tokens))
+        return out
+
+    engine.scheduler.schedule = recorded_schedule
     plain = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     masked = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
@@ -50,13 +58,12 @@ def run(llm: LLM, prompts: list[list[int]], structured: int, new: int) -> dict:
         engine.add_request(str(i), {"prompt_token_ids": prompt}, masked if i < structured else plain)
     start, outputs = time.perf_counter(), {}
     while engine.has_unfinished_requests():
-        before = time.perf_counter()
-        prefilling = any(r.num_computed_tokens < r.num_prefill_tokens for r in engine.scheduler.running)
+        before, count = time.perf_counter(), len(scheduled)
         for out in engine.step():
             outputs[out.request_id] = out
-        steps.append((time.perf_counter() - before, prefilling or bool(engine.scheduler.waiting)))
+        steps.append((time.perf_counter() - before, len(scheduled) == count or scheduled[-1]))
     elapsed = time.perf_counter() - start
-    scheduler_module.fill_bitmask = fill
+    scheduler_module.fill_bitmask, engine.scheduler.schedule = fill, schedule
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs.values())
     texts = [outputs[str(i)].outputs[0].text for i in range(structured)]
     decode = [s for s, busy in steps if not busy]
