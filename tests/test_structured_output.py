@@ -206,6 +206,25 @@ def test_plain_requests_beside_structured_ones_keep_their_tokens(plain_alone, as
     check_tiny_structured(outs[len(PLAIN):])
 
 
+def test_structured_requests_come_back_whole_after_preemption():
+    want = tiny_generate(PLAIN + TINY_STRUCTURED, async_scheduling=False)[0]
+    outs, errors, llm = tiny_generate(PLAIN + TINY_STRUCTURED, num_gpu_blocks_override=13, block_size=8)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert outs == want and not any(errors)
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends_there():
+    llm = LLM(**ENGINE)
+    engine = llm.llm_engine
+    engine.add_request("a", "x", structured(json={"type": "object"}))
+    engine.abort_request(["a"])
+    outs = engine.step()
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [("a", True, "abort")]
+    while engine.has_unfinished_requests():
+        assert not engine.step()
+    assert not engine.scheduler.requests
+
+
 def test_a_grammar_that_does_not_compile_fails_its_request_alone(plain_alone):
     bad = [
         ("x", structured(regex="[a-")),
