@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt)")
+    held = gen.add_argument_group("structured output (one of these holds the text to a grammar)")
+    held.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema, as text or @FILE")
+    held.add_argument("--regex", help="a regular expression the whole text matches")
+    held.add_argument("--choice", action="append", help="one of the texts allowed (repeat the flag for each)")
+    held.add_argument("--grammar", metavar="LARK", help="a Lark grammar, as text or @FILE")
     _add_model_flags(gen)
     chat = commands.add_parser("chat", help="an interactive chat in the terminal (/exit or end of input to leave)")
     chat.add_argument("--system", help="a system message to start the conversation with")
@@ -149,10 +154,30 @@ def _open_llm(args: argparse.Namespace):
     return LLM(model=args.model, enable_prefix_caching=args.enable_prefix_caching, **_given(args, ENGINE_FLAGS))
 
 
+def _structured(args: argparse.Namespace):
+    """The StructuredOutputsParams the flags ask for (None without any)."""
+    from jaxrunner.sampling_params import StructuredOutputsParams
+
+    given = {"json": _text(args.json_schema), "regex": args.regex, "choice": args.choice, "grammar": _text(args.grammar)}
+    given = {name: value for name, value in given.items() if value is not None}
+    return StructuredOutputsParams(**given) if given else None
+
+
+def _text(value: str | None) -> str | None:
+    """A flag's text, or the contents of the file an @FILE value names."""
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:]) as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {value[1:]!r}: {e.strerror}") from None
+
+
 def generate(args: argparse.Namespace) -> int:
     from jaxrunner.sampling_params import SamplingParams
 
-    params = SamplingParams(**_given(args, SAMPLING_FLAGS))
+    params = SamplingParams(**_given(args, SAMPLING_FLAGS), structured_outputs=_structured(args))
     if args.stream and (len(args.prompts) > 1 or params.n > 1):
         raise ValueError("--stream prints one completion: give one prompt and n = 1")
     ids_only = bool(args.skip_tokenizer_init)

@@ -3,6 +3,7 @@ first command is in test_default_model.py)."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -84,3 +85,21 @@ def test_too_long_prompt_is_reported(model_dir, capsys):
     assert main(["generate", "--model", str(model_dir), *SMALL, "--max-tokens", "2", "ok", "y" * 80]) == 1
     captured = capsys.readouterr()
     assert "Prompt: 'ok'" in captured.out and "maximum model length of 64" in captured.err
+
+
+def test_structured_output_flags(model_dir, tmp_path, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"k": {"enum": ["aa", "bb"]}}, "required": ["k"], '
+                      '"additionalProperties": false}')
+    base = ["generate", "--model", str(model_dir), *SMALL, "--temperature", "0", "--max-tokens", "40"]
+    assert main([*base, "--json-schema", f"@{schema}", "--no-enable-prefix-caching", "x"]) == 0
+    text = capsys.readouterr().out.split("Generated text: ", 1)[1].rsplit(" (", 1)[0]
+    assert json.loads(eval(text))["k"] in ("aa", "bb")
+    assert main([*base, "--choice", "left", "--choice", "right", "x"]) == 0
+    assert re.search(r"Generated text: '(left|right)' \(stop\)", capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        main([*base, "--regex", "a", "--choice", "b", "x"])
+    assert "exactly one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--json-schema", "@/no/such/file", "x"])
+    assert "cannot read" in capsys.readouterr().err

@@ -102,10 +102,14 @@ class GrammarCompiler:
             raise ValueError(f"the tokenizer has {len(self._hf_tokenizer)} tokens, more than the model's "
                              f"{self._vocab_size}: structured outputs need a tokenizer that matches the model")
         try:
-            return llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos)
+            tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos)
         except ValueError:  # a decoder llguidance does not read (not byte-level): each token as its text
-            wrapper = llguidance.TokenizerWrapper(_TextTokens(self._hf_tokenizer))
-            return llguidance.LLTokenizer(wrapper, n_vocab=self._vocab_size, eos_token=self._eos)
+            wrapper = llguidance.TokenizerWrapper(_TextTokens(self._hf_tokenizer, self._vocab_size))
+            tokenizer = llguidance.LLTokenizer(wrapper, eos_token=self._eos)
+        if tokenizer.vocab_size != self._vocab_size:  # the masks must be as wide as the logits
+            raise ValueError(f"llguidance read {tokenizer.vocab_size} tokens from the tokenizer, the model has "
+                             f"{self._vocab_size}: structured outputs need a tokenizer that matches the model")
+        return tokenizer
 
     def _compile(self, text: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self._tokenizer.result(), text, log_level=0)
@@ -116,17 +120,19 @@ class GrammarCompiler:
 
 class _TextTokens:
     """A tokenizer whose every token decodes to whole characters (the tiny model's), in the form
-    llguidance's `TokenizerWrapper` reads: each token's bytes, and an encoder."""
+    llguidance's `TokenizerWrapper` reads: each token's bytes, and an encoder. Ids past the
+    tokenizer, up to the model's `vocab_size`, are special tokens no grammar allows."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self.eos_token_id, self.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
-        self.special_token_ids = list(tokenizer.all_special_ids)
         texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
         if broken := [i for i, t in enumerate(texts) if "\ufffd" in t]:
             raise ValueError(f"structured outputs cannot read this tokenizer: llguidance does not know its decoder, "
                              f"and tokens such as {broken[:3]} are parts of characters; use a byte-level BPE tokenizer")
-        self.tokens = [t.encode() for t in texts]
+        unused = range(len(texts), vocab_size)
+        self.tokens = [t.encode() for t in texts] + [f"<unused_{i}>".encode() for i in unused]
+        self.special_token_ids = [*tokenizer.all_special_ids, *unused]
 
     def __call__(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)
