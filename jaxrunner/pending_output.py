@@ -30,6 +30,7 @@ class PendingOutput:
         if not self.req_ids:
             return RunnerOutput([], {}, [])
         out, kept, drafts = jax.device_get((self.sampled, self.num_kept, self.drafts))
+        next_drafts = [] if drafts is None else drafts.tolist()  # one conversion, not one per request
         if out.tokens.ndim == 1:  # a single step
             out = jax.tree.map(lambda x: x[None], out)
         tokens, logprobs, nans = [], {}, {}
@@ -49,6 +50,5 @@ class PendingOutput:
             logprobs=logprobs,
             prompt_logprobs_dict=self.prompt_logprobs,
             num_nans_in_logits=nans,
-            draft_token_ids={} if drafts is None else {rid: drafts[i].tolist() for i, rid in enumerate(self.req_ids)
-                                                       if self.steps.get(rid)},
+            draft_token_ids={rid: ids for rid, ids in zip(self.req_ids, next_drafts) if self.steps.get(rid)},
         )
