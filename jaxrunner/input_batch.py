@@ -141,7 +141,7 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
     if sched.num_steps < 1:
         bad(f"num_steps must be at least 1, got {sched.num_steps}")
     _check_drafts(table, sched, cfg, vocab_size, scheduled, bad)
-    _check_grammar(table, sched, cfg, vocab_size, bad)
+    _check_grammar(table, sched, cfg, bad)
     total = sum(sched.num_scheduled_tokens.values())
     if total != sched.total_num_scheduled_tokens:
         bad(f"total_num_scheduled_tokens={sched.total_num_scheduled_tokens} but the per-request counts sum to {total}")
@@ -226,30 +226,20 @@ def _check_drafts(
 
 
 def _check_grammar(
-    table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab_size: int, bad: Callable[[str], None]
+    table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, bad: Callable[[str], None]
 ) -> None:
-    """Masks go with requests that sample this step: 1 + len(drafts) rows of ceil(V / 32) int32 each."""
-    starts, masks = sched.structured_output_request_ids, sched.grammar_bitmask
-    if not starts and masks is None:
+    """Masks go with requests that sample this step, and one step per call."""
+    starts = sched.structured_output_request_ids
+    if not starts:
         return
-    if not starts or masks is None:
-        bad("structured_output_request_ids and grammar_bitmask go together: give both or neither")
-    width = mask_words(vocab_size)
-    if not isinstance(masks, np.ndarray) or masks.dtype != np.int32 or masks.ndim != 2 or masks.shape[1] != width:
-        shape = getattr(masks, "shape", None)
-        bad(f"grammar_bitmask must be an int32 numpy array [rows, {width}] (ceil(vocab_size / 32) words per mask), "
-            f"got {type(masks).__name__} {shape} {getattr(masks, 'dtype', '')}")
     if sched.num_steps != 1:
         bad("grammar masks need one step per call: num_steps must be 1 with structured outputs")
     new = {n.req_id: n for n in sched.scheduled_new_reqs}
     cached = dict(zip(sched.scheduled_cached_reqs.req_ids, sched.scheduled_cached_reqs.num_computed_tokens))
-    for rid, start in starts.items():
+    for rid in starts:
         n = sched.num_scheduled_tokens.get(rid)
         if n is None:
             bad(f"structured_output_request_ids names {rid!r}, which is not scheduled")
-        rows = 1 + len(sched.scheduled_spec_decode_tokens.get(rid, ()))
-        if not is_int(start) or not 0 <= start <= masks.shape[0] - rows:
-            bad(f"request {rid!r}: its {rows} grammar masks from row {start!r} do not fit grammar_bitmask's {masks.shape[0]} rows")
         if rid in new:
             samples = new[rid].num_computed_tokens + n == len(new[rid].all_prefill_token_ids)
         else:
@@ -259,18 +249,38 @@ def _check_grammar(
             bad(f"request {rid!r} has a grammar mask but samples no token this step (a prompt chunk before its last)")
 
 
-def grammar_rows(order: list[str], sched: SchedulerOutput, masks_per_row: int, vocab_size: int) -> np.ndarray | None:
-    """The step's grammar masks by batch row, i32 [len(order), masks_per_row * ceil(V / 32)]: -1 (all
-    allowed) for requests without a grammar and past a request's drafts; None when no request has one."""
+def check_grammar_bitmask(sched: SchedulerOutput, masks: np.ndarray | None, vocab_size: int) -> None:
+    """The masks of `sched`'s structured requests: 1 + len(drafts) rows each, of ceil(V / 32) int32."""
+    def bad(msg: str) -> None:
+        raise ValueError(f"grammar masks rejected: {msg}")
+
     starts = sched.structured_output_request_ids
-    if not starts:
-        return None
-    rows = np.full((len(order), masks_per_row, mask_words(vocab_size)), -1, np.int32)
+    if not starts and masks is None:
+        return
+    if not starts or masks is None:
+        bad("structured_output_request_ids and grammar_bitmask go together: give both or neither")
+    width = mask_words(vocab_size)
+    if not isinstance(masks, np.ndarray) or masks.dtype != np.int32 or masks.ndim != 2 or masks.shape[1] != width:
+        shape = getattr(masks, "shape", None)
+        bad(f"grammar_bitmask must be an int32 numpy array [rows, {width}] (ceil(vocab_size / 32) words per mask), "
+            f"got {type(masks).__name__} {shape} {getattr(masks, 'dtype', '')}")
+    for rid, start in starts.items():
+        rows = 1 + len(sched.scheduled_spec_decode_tokens.get(rid, ()))
+        if not is_int(start) or not 0 <= start <= masks.shape[0] - rows:
+            bad(f"request {rid!r}: its {rows} grammar masks from row {start!r} do not fit grammar_bitmask's {masks.shape[0]} rows")
+
+
+def write_grammar_rows(
+    target: np.ndarray, order: list[str], sched: SchedulerOutput, masks: np.ndarray, masks_per_row: int
+) -> None:
+    """Spread the step's grammar masks over the batch rows of `target` (i32 [rows, masks_per_row * W],
+    all -1 to start: every token allowed, for requests without a grammar and past a request's drafts)."""
+    starts = sched.structured_output_request_ids
+    rows = target[: len(order)].reshape(len(order), masks_per_row, masks.shape[1])
     for i, rid in enumerate(order):
         if rid in starts:
             n = 1 + len(sched.scheduled_spec_decode_tokens.get(rid, ()))
-            rows[i, :n] = sched.grammar_bitmask[starts[rid] : starts[rid] + n]
-    return rows.reshape(len(order), -1)
+            rows[i, :n] = masks[starts[rid] : starts[rid] + n]
 
 
 def _check_types(sched: SchedulerOutput, bad: Callable[[str], None]) -> None:
@@ -320,7 +330,7 @@ def build_inputs(
 ) -> tuple[TokenInputs, SampleInputs, SamplerFlags, set[str]]:
     """Padded arrays for one step, the sampler's static flags, and the requests that sample a token.
     `drafts`: the scheduled draft tokens per request (speculative decoding); `grammar_bitmask`: the
-    rows' masks (`grammar_rows`)."""
+    rows' masks, or -1 (all allowed) of their shape until `write_grammar_rows` fills them."""
     drafts = drafts or {}
     r, s = cfg.max_num_seqs, cfg.max_num_seqs
     token_ids = np.full(t_bucket, -1, np.int32)

@@ -5,9 +5,11 @@ One step, top to bottom:
      and, for prompt logprobs, the rows to score; until all of that stands nothing has changed, so
      a ValueError leaves the runner exactly as it was (random state included);
   2. on the device (state donated): write changed block-table rows, run the backbone over the packed
-     tokens with paged attention, then logits and sampling for the batch's rows (and prompt
-     logprobs for requests that ask for them);
-  3. advance the table, and hand back the output still in flight (`dispatch`) or read (`step`).
+     tokens with paged attention (`execute_model`), then logits and sampling for the batch's rows,
+     and prompt logprobs for requests that ask for them (`sample_tokens`, which takes the
+     structured requests' grammar masks: the host fills them while the backbone runs);
+  3. advance the table, and hand back the output still in flight (`dispatch`: both halves) or read
+     (`step`).
 With `num_steps` > 1 (all decodes), step 2 runs that many forward + sample rounds in one call.
 With speculative decoding, step 2 verifies each decode's drafts with the rejection sampler and
 proposes the next ones on the device (`step.spec_sample_step`); the number of tokens each request
@@ -20,13 +22,21 @@ from __future__ import annotations
 import copy
 import os
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
-from jaxrunner.input_batch import RequestTable, batch_order, block_table_rows, build_inputs, grammar_rows
+from jaxrunner.input_batch import (
+    RequestTable,
+    batch_order,
+    block_table_rows,
+    build_inputs,
+    check_grammar_bitmask,
+    write_grammar_rows,
+)
 from jaxrunner.loader import load_model
 from jaxrunner.models.llama import Params
 from jaxrunner.pending_output import PendingOutput
@@ -42,7 +52,14 @@ from jaxrunner.programs import (
     bucket,
     shared_programs,
 )
-from jaxrunner.sampling import PromptLogprobsBuffer, SamplerFlags, SamplerOutput, prepare_request, prompt_logprob_positions
+from jaxrunner.sampling import (
+    PromptLogprobsBuffer,
+    SamplerFlags,
+    SamplerOutput,
+    mask_words,
+    prepare_request,
+    prompt_logprob_positions,
+)
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.state import RunnerState, init_state, kv_cache_bytes
 from jaxrunner.step import SampleInputs, TokenInputs, decode_round
@@ -51,6 +68,23 @@ from jaxrunner.step_io import LogprobsArrays, RunnerOutput, SchedulerOutput
 # Per request wanting prompt logprobs from a step: (request id, its rows among the step's tokens,
 # the prompt tokens those rows score).
 Scoring = list[tuple[str, list[int], list[int]]]
+
+
+@dataclass(frozen=True)
+class _Forwarded:
+    """A step whose forward pass is queued, waiting for `sample_tokens`; `table` is the request
+    table before the step (prompt logprobs read its progress)."""
+
+    sched: SchedulerOutput
+    table: RequestTable
+    order: list[str]
+    steps: dict[str, int]
+    num_top: dict[str, int]
+    scoring: Scoring
+    last_hidden: jax.Array
+    hidden: jax.Array
+    samples: SampleInputs
+    flags: SamplerFlags
 
 
 class Runner:
@@ -77,6 +111,7 @@ class Runner:
         self._table = RequestTable.empty(config.max_num_seqs)
         self._prompt_logprobs = PromptLogprobsBuffer()
         self._rng = np.random.default_rng(config.seed)
+        self._forwarded: _Forwarded | PendingOutput | None = None  # a step between execute_model and sample_tokens
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -100,12 +135,22 @@ class Runner:
         return state, pending.get()
 
     def dispatch(self, state: RunnerState, sched: SchedulerOutput) -> tuple[RunnerState, PendingOutput]:
-        """Queue one scheduled batch on the device and return without waiting for it.
+        """Queue one scheduled batch on the device and return without waiting for it: `execute_model`,
+        then `sample_tokens` with the grammar masks `sched` carries.
 
         Sampled tokens stay on the device and feed later steps, so the next step can be dispatched
         before this one's output reaches the host (its copy starts at once). Prompt logprobs are the
         exception: a step that completes them waits for them.
         """
+        check_grammar_bitmask(sched, sched.grammar_bitmask, self.model_config.vocab_size)
+        return self.sample_tokens(self.execute_model(state, sched), sched.grammar_bitmask)
+
+    def execute_model(self, state: RunnerState, sched: SchedulerOutput) -> RunnerState:
+        """Check `sched` and queue its forward pass (a multi-step decode whole); `sample_tokens` then
+        samples. Between the two, the host can fill the step's grammar masks while the device runs
+        the model (vLLM's execute_model / sample_tokens). A ValueError leaves the runner as it was."""
+        if self._forwarded is not None:
+            raise RuntimeError("the last step's forward pass is waiting for its sampling: call sample_tokens first")
         cfg, model, ctx = self.config, self.model_config, self.ctx
         rng = copy.deepcopy(self._rng)  # seeds are drawn from a copy, kept only if the step stands
         table, dirty = self._table.apply(sched, cfg, model, rng)
@@ -114,7 +159,9 @@ class Runner:
         if order:
             b_bucket = bucket(len(order), cfg.request_buckets)
             t_bucket = bucket(sched.total_num_scheduled_tokens, cfg.token_buckets)
-            masks = grammar_rows(order, sched, 1 + ctx.spec_tokens, model.vocab_size)
+            masks_per_row = 1 + ctx.spec_tokens
+            masks = (np.broadcast_to(np.int32(-1), (len(order), masks_per_row * mask_words(model.vocab_size)))
+                     if sched.structured_output_request_ids else None)  # all allowed until sample_tokens writes them
             tokens, samples, flags, sampled = build_inputs(table, order, scheduled, cfg, model.vocab_size, t_bucket,
                                                            b_bucket, sched.scheduled_spec_decode_tokens, masks)
             blocks = block_table_rows(table, dirty, cfg, bucket(len(dirty), cfg.request_buckets)) if dirty else None
@@ -130,30 +177,58 @@ class Runner:
             self._prompt_logprobs.discard(rid)
         if not order:
             self._table = table
-            return state, PendingOutput([], {}, {}, None, {})
+            self._forwarded = PendingOutput([], {}, {}, None, {})
+            return state
 
         if blocks is not None:
             state = self.programs.run(WRITE_BLOCKS, state, *blocks)
         decode = ctx.uniform_decode(scheduled)
-        num_kept = drafts = None
+        num_top = {rid: table.rows[rid].sampling.num_logprobs for rid in order}
         if sched.num_steps == 1:
             last_hidden, hidden, state = self.programs.run(FORWARD, self.params, self.draft_params, state, tokens,
                                                            uniform_decode=decode)
-            if ctx.spec_tokens:
-                out, num_kept, drafts, state = self.programs.run(SPEC_SAMPLE, self.params, self.draft_params, state,
-                                                                 last_hidden, samples, flags=flags)
-            else:
-                out, state = self.programs.run(SAMPLE, self.params, state, last_hidden, samples, flags=flags)
-            prompt_logprobs = self._score_prompts(table, scoring, scheduled, hidden)
+            self._forwarded = _Forwarded(sched, table, order, steps, num_top, scoring, last_hidden, hidden, samples, flags)
             self._table = table.advance(scheduled, steps)
         else:
             out, state = self._decode(state, tokens, samples, counts, flags, sched.num_steps, decode)
-            prompt_logprobs = {}
+            self._forwarded = self._pending(order, steps, num_top, out, {})
             self._table = table.advance(steps, steps)
+        return state
+
+    def sample_tokens(
+        self, state: RunnerState, grammar_bitmask: np.ndarray | None = None
+    ) -> tuple[RunnerState, PendingOutput]:
+        """Sample the step `execute_model` queued, with its structured requests' grammar masks
+        (`SchedulerOutput.grammar_bitmask`'s layout), and return its output on its way. A ValueError
+        (bad masks) leaves the step waiting for good ones."""
+        fwd = self._forwarded
+        if fwd is None:
+            raise RuntimeError("no step to sample: call execute_model first")
+        if isinstance(fwd, PendingOutput):  # an empty step or a multi-step decode: sampled already
+            if grammar_bitmask is not None:
+                raise ValueError("grammar_bitmask given for a step with no structured request that samples one token")
+            self._forwarded = None
+            return state, fwd
+        check_grammar_bitmask(fwd.sched, grammar_bitmask, self.model_config.vocab_size)
+        samples = fwd.samples
+        if grammar_bitmask is not None:
+            write_grammar_rows(samples.sampling.grammar_bitmask, fwd.order, fwd.sched, grammar_bitmask, 1 + self.ctx.spec_tokens)
+        self._forwarded = None
+        num_kept = drafts = None
+        if self.ctx.spec_tokens:
+            out, num_kept, drafts, state = self.programs.run(SPEC_SAMPLE, self.params, self.draft_params, state,
+                                                             fwd.last_hidden, samples, flags=fwd.flags)
+        else:
+            out, state = self.programs.run(SAMPLE, self.params, state, fwd.last_hidden, samples, flags=fwd.flags)
+        prompt_logprobs = self._score_prompts(fwd.table, fwd.scoring, fwd.sched.num_scheduled_tokens, fwd.hidden)
+        return state, self._pending(fwd.order, fwd.steps, fwd.num_top, out, prompt_logprobs, num_kept, drafts)
+
+    @staticmethod
+    def _pending(order: list[str], steps: dict[str, int], num_top: dict[str, int], out: SamplerOutput,
+                 prompt_logprobs: dict, num_kept: jax.Array | None = None, drafts: jax.Array | None = None) -> PendingOutput:
         for leaf in jax.tree.leaves((out, num_kept, drafts)):
             leaf.copy_to_host_async()
-        num_top = {rid: table.rows[rid].sampling.num_logprobs for rid in order}
-        return state, PendingOutput(order, steps, num_top, out, prompt_logprobs, num_kept, drafts)
+        return PendingOutput(order, steps, num_top, out, prompt_logprobs, num_kept, drafts)
 
     def _decode(
         self, state: RunnerState, tokens: TokenInputs, samples: SampleInputs, counts: np.ndarray,

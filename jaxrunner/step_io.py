@@ -54,7 +54,8 @@ class SchedulerOutput:
     Structured output: `grammar_bitmask` (int32 [rows, ceil(vocab_size / 32)], bit j of word i
     allowing token 32 i + j) holds the masks of the requests in `structured_output_request_ids`;
     request r's 1 + len(drafts) masks (for its next token, then after each draft) start at row
-    structured_output_request_ids[r]. vLLM's layout.
+    structured_output_request_ids[r]. vLLM's layout. The engine's scheduler leaves `grammar_bitmask`
+    None: it fills the masks while the forward pass runs and hands them to `Runner.sample_tokens`.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)

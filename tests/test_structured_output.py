@@ -4,7 +4,7 @@ logits processor.
 With the real default model (SmolLM2-135M-Instruct), every output follows its JSON schema, regex,
 choice or Lark grammar; with the tiny random model, the machinery: plain requests keep exactly their
 tokens beside structured ones, a bad grammar fails its request alone, async scheduling holds a
-structured request back only until its token is home, and drafts are cut and masked by the grammar.
+structured request's masks are filled while its forward pass runs, and drafts are cut and masked by the grammar.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 from test_async_multistep import ENGINE
 
-from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput, StructuredOutputsParams
+from jaxrunner import LLM, CachedRequestData, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput, StructuredOutputsParams
 from jaxrunner.config import Kernels, SamplerConfig
 from jaxrunner.engine.default_model import default_model
+from jaxrunner.pending_output import PendingOutput
 from jaxrunner.sampling import build_sampling_metadata, mask_words, prepare_request, process_logits
 
 
@@ -241,30 +242,58 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(plain_alone):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-def recorded_schedules(llm: LLM) -> list:
-    """Every SchedulerOutput the engine's scheduler makes from now on."""
-    scheduler, seen = llm.llm_engine.scheduler, []
-    schedule = scheduler.schedule
+def recorded_steps(llm: LLM, monkeypatch) -> list[tuple[str, object]]:
+    """What the engine does from now on, in order: ("forward", SchedulerOutput) for each
+    execute_model, ("output", None) for each step output taken, ("sample", grammar masks)."""
+    runner, events = llm.llm_engine.runner, []
+    execute_model, sample_tokens, get = runner.execute_model, runner.sample_tokens, PendingOutput.get
 
-    def recording():
-        seen.append(schedule())
-        return seen[-1]
+    def forward(state, sched):
+        events.append(("forward", sched))
+        return execute_model(state, sched)
 
-    scheduler.schedule = recording
-    return seen
+    def sample(state, masks=None):
+        events.append(("sample", masks))
+        return sample_tokens(state, masks)
+
+    def output(pending):
+        events.append(("output", None))
+        return get(pending)
+
+    monkeypatch.setattr(runner, "execute_model", forward)
+    monkeypatch.setattr(runner, "sample_tokens", sample)
+    monkeypatch.setattr(PendingOutput, "get", output)
+    return events
 
 
-def test_async_scheduling_holds_a_structured_request_only_until_its_token_is_back():
+def masked_steps(events: list[tuple[str, object]], req_id: str) -> list[tuple[object, np.ndarray]]:
+    """(SchedulerOutput, grammar masks) of each step in which `req_id` sampled under a mask."""
+    steps = [x for kind, x in events if kind == "forward"]
+    masks = [x for kind, x in events if kind == "sample"]
+    return [(s, m) for s, m in zip(steps, masks) if req_id in s.structured_output_request_ids]
+
+
+def test_async_scheduling_fills_masks_while_the_forward_pass_runs(monkeypatch):
+    """A structured request decodes every step, as the plain one does: its step's forward pass is
+    dispatched, then the step before's output taken (the grammar takes its token), then the step
+    samples under the mask filled meanwhile."""
     requests = PLAIN[:1] + TINY_STRUCTURED[:1]
     want = tiny_generate(requests, async_scheduling=False)[0]
     llm = LLM(**{**ENGINE, "max_num_seqs": 8, "max_num_batched_tokens": 128})
-    seen = recorded_schedules(llm)
+    events = recorded_steps(llm, monkeypatch)
     outs = llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
     assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs] == want
-    plain_steps = [i for i, out in enumerate(seen) if "0" in out.num_scheduled_tokens]
-    masked_steps = [i for i, out in enumerate(seen) if "1" in out.structured_output_request_ids]
-    assert len(masked_steps) > 3 and all(b - a >= 2 for a, b in zip(masked_steps, masked_steps[1:]))
-    assert any(b - a == 1 for a, b in zip(plain_steps, plain_steps[1:]))  # the plain request overlaps
+    forwards = [i for i, (kind, _) in enumerate(events) if kind == "forward"]
+    masked = [n for n, i in enumerate(forwards) if "1" in events[i][1].structured_output_request_ids]
+    assert len(masked) > 3 and all(b - a == 1 for a, b in zip(masked, masked[1:]))  # in step after step
+    for n in masked[1:]:
+        i = forwards[n]
+        assert [kind for kind, _ in events[i : i + 3]] == ["forward", "output", "sample"]
+        assert events[i + 2][1].shape == (1, mask_words(llm.llm_engine.model_config.vocab_size))
+    # The grammar ended the request on the last step's token, taken after this step was dispatched:
+    # this step's mask allows everything, and its token is dropped.
+    assert outs[1].outputs[0].finish_reason == "stop" and (events[forwards[masked[-1]] + 2][1] == -1).all()
+    assert not (events[forwards[masked[-2]] + 2][1] == -1).all()
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -284,14 +313,14 @@ def test_drafts_and_grammar_work_together(async_scheduling):
     assert llm.llm_engine.stats().spec_decoding["num_accepted_tokens"] > 0
 
 
-def test_structured_drafts_carry_a_mask_each():
+def test_structured_drafts_carry_a_mask_each(monkeypatch):
     llm = LLM(**{**ENGINE, "max_num_seqs": 8}, speculative_config=NGRAM)
-    seen = recorded_schedules(llm)
+    events = recorded_steps(llm, monkeypatch)
     out = llm.generate([p for p, _ in REPEATING], REPEATING[0][1], use_tqdm=False)[0].outputs[0]
     assert re.fullmatch(r"(ab){5,10}c", out.text)
-    drafted = [s for s in seen if s.scheduled_spec_decode_tokens]
-    assert drafted and all(s.grammar_bitmask.shape[0] == 1 + len(s.scheduled_spec_decode_tokens["0"]) for s in drafted)
-    assert all(-1 not in s.scheduled_spec_decode_tokens["0"] for s in drafted)  # the host's copy of the device's
+    drafted = [(s, m) for s, m in masked_steps(events, "0") if s.scheduled_spec_decode_tokens]
+    assert drafted and all(m.shape[0] == 1 + len(s.scheduled_spec_decode_tokens["0"]) for s, m in drafted)
+    assert all(-1 not in s.scheduled_spec_decode_tokens["0"] for s, _ in drafted)  # the host's copy of the device's
 
 
 def test_draft_model_drafts_and_grammar_work_together():
@@ -302,22 +331,21 @@ def test_draft_model_drafts_and_grammar_work_together():
     assert llm.llm_engine.stats().spec_decoding["num_accepted_tokens"] > 0
 
 
-def test_the_grammar_cuts_drafts_it_does_not_allow():
+def test_the_grammar_cuts_drafts_it_does_not_allow(monkeypatch):
     """A host proposer offers drafts that leave the grammar: the scheduler keeps the valid prefix
     and the step carries a mask for each kept draft."""
     llm = LLM(**{**ENGINE, "max_num_seqs": 8}, speculative_config=NGRAM)
     tokenizer = llm.get_tokenizer()
     offered, asked = tokenizer.encode("abz", add_special_tokens=False), []
     llm.llm_engine.scheduler.proposer = lambda request, n: asked.append(n) or offered[:n]
-    seen = recorded_schedules(llm)
+    events = recorded_steps(llm, monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=r"(ab)+c"))
     out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
     assert re.fullmatch(r"(ab)+c", out.text)
-    drafts = [s.scheduled_spec_decode_tokens["0"] for s in seen if s.scheduled_spec_decode_tokens]
+    drafts = [s.scheduled_spec_decode_tokens["0"] for s, _ in masked_steps(events, "0") if s.scheduled_spec_decode_tokens]
     # "z" never follows "ab" in the grammar: offered 3 drafts, a step keeps "ab" at most.
     assert 3 in asked and drafts and all(d == offered[: len(d)] and len(d) <= 2 for d in drafts)
-    assert all(s.grammar_bitmask.shape[0] == 1 + len(s.scheduled_spec_decode_tokens.get("0", ())) for s in seen
-               if s.structured_output_request_ids)
+    assert all(m.shape[0] == 1 + len(s.scheduled_spec_decode_tokens.get("0", ())) for s, m in masked_steps(events, "0"))
 
 
 def test_structured_output_params_are_checked():
@@ -363,3 +391,16 @@ def test_runner_rejects_bad_masks_and_stays_usable():
     only[0, 9 // 32] = 1 << (9 % 32)  # token 9 alone
     state, out = runner.step(state, sched(structured_output_request_ids={"r": 0}, grammar_bitmask=only))
     assert out.sampled_token_ids == [[9]]
+
+    # In two calls, bad masks leave the step waiting for good ones, and a second forward pass waits its turn.
+    decode = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r"], [None], [3]), num_scheduled_tokens={"r": 1},
+                             total_num_scheduled_tokens=1, structured_output_request_ids={"r": 0})
+    state = runner.execute_model(state, decode)
+    with pytest.raises(RuntimeError, match="call sample_tokens first"):
+        runner.execute_model(state, decode)
+    for masks in (None, np.zeros((1, words + 1), np.int32)):
+        with pytest.raises(ValueError, match="grammar masks rejected"):
+            runner.sample_tokens(state, masks)
+    only[0, 9 // 32], only[0, 11 // 32] = 0, 1 << (11 % 32)  # token 11 alone
+    state, pending = runner.sample_tokens(state, only)
+    assert pending.get().sampled_token_ids == [[11]]

@@ -262,14 +262,28 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Dispatch one scheduled batch, then take the output of the batch before it (async
         scheduling: the device runs this step while the host works on the last one's tokens), or of
-        this one; the outputs of requests that progressed or finished."""
+        this one; the outputs of requests that progressed or finished.
+
+        A batch with structured requests is dispatched in two halves: the forward pass, then the
+        sampling under the grammar masks. The masks need the grammars past the tokens of every step
+        before, so those are taken in between, while the device runs the forward pass; their text
+        and outputs wait until the sampling is queued."""
         self._check_open()
         outputs, self._ready = self._ready + self._admit_compiled(), []
         scheduled = False
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
-            self.state, pending = self.runner.dispatch(self.state, sched)
+            self.state = self.runner.execute_model(self.state, sched)
+            taken, masks = [], None
+            if sched.structured_output_request_ids:
+                while self._in_flight:
+                    out = self._in_flight.popleft().get()
+                    taken.append((out, self.scheduler.update_from_output(out)))
+                masks = self.scheduler.grammar_bitmask(sched)
+            self.state, pending = self.runner.sample_tokens(self.state, masks)
             self._in_flight.append(pending)
+            for out, new_tokens in taken:
+                outputs += self._emit(out, new_tokens)
             scheduled = sched.total_num_scheduled_tokens > 0
         while len(self._in_flight) > (1 if self.args.async_scheduling and scheduled else 0):
             outputs += self._process(self._in_flight.popleft().get())
@@ -340,8 +354,12 @@ class LLMEngine:
             raise RuntimeError("this engine was closed; create a new one")
 
     def _process(self, out: RunnerOutput) -> list[RequestOutput]:
+        return self._emit(out, self.scheduler.update_from_output(out))
+
+    def _emit(self, out: RunnerOutput, new_tokens: dict[str, list[int]]) -> list[RequestOutput]:
+        """Logprobs, text and stop strings of the requests that progressed, and their outputs."""
         progressed: dict[str, _Parent] = {}
-        for req_id, tokens in self.scheduler.update_from_output(out).items():
+        for req_id, tokens in new_tokens.items():
             parent, child = self._children[req_id]
             self._add_logprobs(parent, child, out, len(tokens))
             self._detokenize(child, tokens)

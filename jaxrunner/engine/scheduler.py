@@ -22,11 +22,12 @@ scheduler counts every draft as accepted while the step is in flight (its blocks
 then upper bounds), and takes the rejected ones back off `num_computed_tokens` when the output
 comes: async scheduling needs no wait. `spec_stats` counts drafts and acceptances.
 
-A structured request (one with a `grammar`) needs its last token before its next mask, so it is
-not scheduled while a step of it is in flight (the others keep overlapping), nor in a multi-step
-call. Its drafts are the ones the device proposed last (`RunnerOutput.draft_token_ids`), cut where
-the grammar stops allowing them; the step carries a mask per token it may sample
-(`grammar_bitmask`, rows named by `structured_output_request_ids`).
+A structured request (one with a `grammar`) samples under a mask per token (`grammar_bitmask`:
+its next token, then one after each draft), which needs the grammar past every token before.
+The step names its rows (`structured_output_request_ids`); `grammar_bitmask(sched)` fills them
+once the steps before are taken, while the device runs this step's forward pass (vLLM's order). With speculative decoding its drafts are the ones the device proposed last
+(`RunnerOutput.draft_token_ids`), cut where the grammar stops allowing them, so such a request
+waits for its step in flight. Structured requests never run in a multi-step call.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.request import Request, RequestStatus
@@ -139,8 +142,8 @@ class Scheduler:
             if request.reached_limit or request.num_expected_tokens >= self.config.max_model_len:
                 i += 1  # the tokens on their way finish it
                 continue
-            if request.grammar is not None and request.num_pending_tokens:
-                i += 1  # its next mask needs the token on its way
+            if request.grammar is not None and request.num_pending_tokens and self.config.num_speculative_tokens:
+                i += 1  # its drafts come with the output on its way
                 continue
             n = min(request.num_expected_tokens - request.num_computed_tokens, budget)
             draft_ids = self._drafts(request, self._num_drafts(request, budget))
@@ -283,7 +286,6 @@ class Scheduler:
         for r in structured:
             rows[r.req_id] = row
             row += 1 + len(drafts.get(r.req_id, ()))
-        masks = [(r.grammar, drafts.get(r.req_id, [])) for r in structured]
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -294,8 +296,19 @@ class Scheduler:
             preempted_req_ids={r.req_id for r in preempted},
             num_steps=self.config.num_scheduler_steps if steps else 1,
             structured_output_request_ids=rows,
-            grammar_bitmask=fill_bitmask(masks, self.config.vocab_size) if masks else None,
         )
+
+    def grammar_bitmask(self, sched: SchedulerOutput) -> np.ndarray | None:
+        """`sched`'s grammar masks, from its structured requests' grammars as they are now (past the
+        tokens of every step before it). A request that ended since it was scheduled gets masks
+        allowing everything: its token is dropped."""
+        starts = sched.structured_output_request_ids
+        if not starts:
+            return None
+        requests = [self.requests.get(rid) for rid in starts]  # in row order: the scheduler numbered them so
+        masks = [(None if r is None else r.grammar, sched.scheduled_spec_decode_tokens.get(rid, []))
+                 for rid, r in zip(starts, requests)]
+        return fill_bitmask(masks, self.config.vocab_size)
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)

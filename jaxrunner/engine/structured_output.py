@@ -3,9 +3,10 @@
 A request's `StructuredOutputsParams` becomes an llguidance grammar (`grammar_spec`), which
 `GrammarCompiler` compiles on a thread pool, off the step path, once per grammar text: `compile`
 returns a future of a template matcher, and each request follows the grammar with a copy of it
-(`Grammar`). Every step the scheduler asks `fill_bitmask` for the masks of the structured requests
-it schedules: one row of ceil(V / 32) int32 words per token the request may sample (its next token,
-then one after each of its drafts), bit j of word i allowing token 32 i + j. The runner applies
+(`Grammar`). For each step the scheduler asks `fill_bitmask` for the masks of the structured
+requests it scheduled, once the grammars took the tokens of the steps before: one row of
+ceil(V / 32) int32 words per token the request may sample (its next token, then one after each of
+its drafts), bit j of word i allowing token 32 i + j. The runner applies
 them on the device before every other logits processor. EOS is in a mask only where the grammar
 accepts the text so far, and a grammar that can take no more tokens ends its request.
 """
@@ -147,12 +148,13 @@ def _executor() -> llguidance.LLExecutor:
     return llguidance.LLExecutor()
 
 
-def fill_bitmask(requests: Sequence[tuple[Grammar, Sequence[int]]], vocab_size: int) -> np.ndarray:
+def fill_bitmask(requests: Sequence[tuple[Grammar | None, Sequence[int]]], vocab_size: int) -> np.ndarray:
     """The masks of a step: for each (grammar, drafts), 1 + len(drafts) rows, one for the next token
-    and one after each draft (the drafts must be valid: see `Grammar.valid_drafts`); filled in parallel."""
+    and one after each draft (the drafts must be valid: see `Grammar.valid_drafts`); filled in
+    parallel. A None grammar's rows allow every token."""
     rows = np.cumsum([0] + [1 + len(drafts) for _, drafts in requests])
     mask = llguidance.numpy.allocate_token_bitmask(int(rows[-1]), vocab_size)
-    entries = [(g.matcher, int(row), list(drafts)) for (g, drafts), row in zip(requests, rows)]
+    entries = [(g.matcher, int(row), list(drafts)) for (g, drafts), row in zip(requests, rows) if g is not None]
     if plain := [(m, row) for m, row, drafts in entries if not drafts]:
         llguidance.numpy.fill_next_token_bitmask_par(_executor(), plain, mask)
     if drafted := [e for e in entries if e[2]]:  # llguidance wants these apart
