@@ -25,7 +25,8 @@ comes: async scheduling needs no wait. `spec_stats` counts drafts and acceptance
 A structured request (one with a `grammar`) samples under a mask per token (`grammar_bitmask`:
 its next token, then one after each draft), which needs the grammar past every token before.
 The step names its rows (`structured_output_request_ids`); `grammar_bitmask(sched)` fills them
-once the steps before are taken, while the device runs this step's forward pass (vLLM's order). With speculative decoding its drafts are the ones the device proposed last
+once the steps before are taken, while the device runs this step's forward pass (vLLM's order).
+With speculative decoding its drafts are the ones the device proposed last
 (`RunnerOutput.draft_token_ids`), cut where the grammar stops allowing them, so such a request
 waits for its step in flight. Structured requests never run in a multi-step call.
 """
