@@ -9,6 +9,7 @@
     jaxrunner generate --temperature 0 --logprobs 3 --prompt-logprobs 1 "Hello"   # one line per token
     jaxrunner bench latency --json w1.json       # W1 (docs/design.md), beside the HF transformers peer
     jaxrunner bench throughput --no-peer         # W2, jaxrunner alone
+    jaxrunner bench serve --request-rate 64      # W2's requests through a running `jaxrunner serve`
 
 Engine and sampling flags keep vLLM's names (--max-model-len, --max-num-seqs, --max-tokens, --top-p,
 --stop, ...). Sampling flags left out keep SamplingParams' defaults. `bench` runs on random weights
@@ -124,6 +125,16 @@ def _add_bench_parser(commands) -> None:
     throughput.add_argument("--min-prompt", type=int, default=100, help="prompt lengths are uniform in [min, max]")
     throughput.add_argument("--max-prompt", type=int, default=1024)
     throughput.add_argument("--new", type=int, default=512, help="new tokens per request (default 512)")
+    serve = workloads.add_parser("serve", help="W2's requests through a running server, streamed (TTFT, ITL)")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    serve.add_argument("--model", help="the served model's name (default: the server's first)")
+    serve.add_argument("--num-prompts", type=int, default=256)
+    serve.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (default inf)")
+    serve.add_argument("--min-prompt", type=int, default=100)
+    serve.add_argument("--max-prompt", type=int, default=1024)
+    serve.add_argument("--new", type=int, default=512)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--json", metavar="PATH", help="write the result there (and to $OUT/serve.json)")
     for workload in (latency, throughput):
         workload.add_argument("--num-scheduler-steps", type=int, default=8, help="decode steps per device call")
         workload.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
@@ -135,8 +146,11 @@ def _add_bench_parser(commands) -> None:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from jaxrunner.bench import latency, throughput
+    from jaxrunner.bench import latency, serve, throughput
 
+    if args.workload == "serve":
+        return _report(serve, serve.run(args.base_url, args.model, args.num_prompts, args.request_rate,
+                                        args.min_prompt, args.max_prompt, args.new, args.seed), args)
     common = dict(shape_name=args.shape, num_scheduler_steps=args.num_scheduler_steps,
                   async_scheduling=args.async_scheduling, seed=args.seed, peer=args.peer,
                   speculative_config=args.speculative_config)
@@ -147,6 +161,10 @@ def bench(args: argparse.Namespace) -> int:
         module = throughput
         result = throughput.run(num_prompts=args.num_prompts, min_prompt=args.min_prompt,
                                 max_prompt=args.max_prompt, new=args.new, **common)
+    return _report(module, result, args)
+
+
+def _report(module, result: dict, args: argparse.Namespace) -> int:
     print(module.summary(result))
     paths = [args.json] if args.json else []
     if os.environ.get("OUT"):

