@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from jaxrunner.engine.chat import Conversation, render_chat
 from jaxrunner.engine.engine import LLMEngine, Prompt
-from jaxrunner.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from jaxrunner.engine.outputs import EngineStats, RequestOutput
 from jaxrunner.sampling_params import SamplingParams
 
 
@@ -70,7 +70,7 @@ class StepObserver:
 
 class RequestStream:
     """The delta outputs of one request, as an async iterator; the last one has `finished` set.
-    `close()` (also on leaving an `async with`) aborts the request if it is still running."""
+    `close()` aborts the request if it is still running."""
 
     def __init__(self, llm: AsyncLLM, request_id: str, num_prompt_tokens: int) -> None:
         self.request_id, self.num_prompt_tokens = request_id, num_prompt_tokens
@@ -91,12 +91,6 @@ class RequestStream:
             raise EngineDeadError(f"the engine stopped: {out!r}") from out
         self._finished = out.finished
         return out
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        self.close()
 
     def close(self) -> None:
         if self._closed:
@@ -247,10 +241,5 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
                 c, text=before.text + c.text, token_ids=before.token_ids + c.token_ids,
                 logprobs=None if c.logprobs is None else (before.logprobs or []) + c.logprobs)
         completions[c.index] = c
-    return dataclasses.replace(later, outputs=sorted(completions.values(), key=_index),
+    return dataclasses.replace(later, outputs=sorted(completions.values(), key=lambda c: c.index),
                                prompt_logprobs=first.prompt_logprobs or later.prompt_logprobs)
-
-
-def _index(c: CompletionOutput) -> int:
-    return c.index
-
