@@ -56,7 +56,7 @@ for _ in range(400):
     for rate in inf 64; do  # all at once (W2's offline shape), then Poisson arrivals
       timeout 200 python3 -m jaxrunner.cli bench serve --request-rate $rate --json "$OUT/serve_$rate.json" 2>&1 | tr '\r' '\n' | tail -5
     done
-    kill -TERM $server; wait $server; grep -E "compiled|Error|error" /tmp/serve.log | tail -4
+    kill -TERM $server; wait $server; cp /tmp/serve.log "$OUT/"; grep -E "compiled|Error|error" /tmp/serve.log | tail -4
     timeout 250 python3 -m jaxrunner.cli bench throughput --no-peer --json "$OUT/w2_offline.json" 2>&1 | tr '\r' '\n' | tail -3 ;;
   *)
     echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|serve" >&2; exit 2 ;;
