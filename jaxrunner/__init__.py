@@ -2,6 +2,7 @@
 
 from jaxrunner.config import ModelConfig, RunnerConfig
 from jaxrunner.engine import LLM, CompletionOutput, EngineArgs, LLMEngine, RequestOutput
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.runner import Runner
 from jaxrunner.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxrunner.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
@@ -12,6 +13,7 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "ModelConfig",
     "NewRequestData",

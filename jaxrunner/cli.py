@@ -60,6 +60,9 @@ ENGINE_FLAGS = (
     ("load_format", str, "auto, or dummy: random weights in the shape --model names (e.g. qwen3-0.6b)"),
     ("num_scheduler_steps", int, "decode steps per device call"),
     ("async_scheduling", None, None),
+    ("enable_lora", None, "serve LoRA adapters"),
+    ("max_loras", int, "LoRA adapters in one batch (device slots)"),
+    ("max_lora_rank", int, "the largest adapter rank"),
 )
 
 
@@ -87,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--served-model-name", help="the name clients give as `model` (default: MODEL)")
+    server.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
+                        help="LoRA adapters (PEFT directories) that `model` may name (needs --enable-lora)")
     _add_model_flags(server, sampling=False)
     _add_bench_parser(commands)
     return parser
@@ -125,6 +130,8 @@ def _add_bench_parser(commands) -> None:
     throughput.add_argument("--min-prompt", type=int, default=100, help="prompt lengths are uniform in [min, max]")
     throughput.add_argument("--max-prompt", type=int, default=1024)
     throughput.add_argument("--new", type=int, default=512, help="new tokens per request (default 512)")
+    throughput.add_argument("--num-loras", type=int, default=0, help="random LoRA adapters spread over the requests")
+    throughput.add_argument("--lora-rank", type=int, default=16)
     serve = workloads.add_parser("serve", help="W2's requests through a running server, streamed (TTFT, ITL)")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
     serve.add_argument("--model", help="the served model's name (default: the server's first)")
@@ -159,8 +166,8 @@ def bench(args: argparse.Namespace) -> int:
         result = latency.run(prompt=args.prompt, new=args.new, iters=args.iters, oracle=args.oracle, **common)
     else:
         module = throughput
-        result = throughput.run(num_prompts=args.num_prompts, min_prompt=args.min_prompt,
-                                max_prompt=args.max_prompt, new=args.new, **common)
+        result = throughput.run(num_prompts=args.num_prompts, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
+                                new=args.new, num_loras=args.num_loras, lora_rank=args.lora_rank, **common)
     return _report(module, result, args)
 
 
@@ -194,8 +201,14 @@ def serve(args: argparse.Namespace) -> int:
     model = args.model_tag or args.model
     if model is None:
         print(default_model_notice(), file=sys.stderr)
+    lora_modules = {}
+    for module in args.lora_modules:
+        name, sep, path = module.partition("=")
+        if not (sep and name and path):
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {module!r}")
+        lora_modules[name] = path
     engine_args = EngineArgs(model=model, enable_prefix_caching=args.enable_prefix_caching, **_given(args, ENGINE_FLAGS))
-    serve(engine_args, args.host, args.port, args.served_model_name)
+    serve(engine_args, args.host, args.port, args.served_model_name, lora_modules)
     return 0
 
 

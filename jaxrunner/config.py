@@ -239,6 +239,37 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA (vLLM's `enable_lora`, `max_loras`, `max_lora_rank`); `max_loras` = 0: off.
+
+    The device holds `max_loras` adapter slots, every one `max_lora_rank` wide for every projection
+    (q, k, v, o, gate, up, down): programs are compiled once for that, whichever adapters come and
+    go. `max_cpu_loras` bounds the adapters kept parsed on the host (at least `max_loras`).
+    """
+
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_loras", 0), ("max_lora_rank", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras={self.max_loras}, got {cpu!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loras > 0
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else max(self.max_loras, 1)
+
+
 KERNEL_CHOICES = ("auto", "pallas", "reference")
 
 
@@ -269,7 +300,7 @@ class RunnerConfig:
     `max_num_seqs` request slots, each up to `max_model_len` tokens; at most `max_num_batched_tokens`
     tokens per step; a paged KV cache of `num_blocks` blocks of `block_size` tokens.
     `num_scheduler_steps`: the decode steps of a multi-step call (warm-up compiles its loop).
-    `speculative`: speculative decoding (not with multi-step decode).
+    `speculative`: speculative decoding (not with multi-step decode). `lora`: multi-LoRA slots.
     `kernels`: "auto", "pallas" or "reference" (see `Kernels.choose`). `compilation_cache_dir` turns
     on JAX's persistent compilation cache (process-wide) there, and the runner's program cache in
     its `programs` folder (`program_cache`: found without lowering).
@@ -285,6 +316,7 @@ class RunnerConfig:
     num_scheduler_steps: int = 1
     sampler: SamplerConfig = SamplerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    lora: LoraConfig = LoraConfig()
     kernels: str = "auto"
     compilation_cache_dir: str | None = None
     token_buckets: tuple[int, ...] = field(default=())

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxrunner.checks import all_ints, is_int
 from jaxrunner.config import ModelConfig, RunnerConfig
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.sampling import (
     RequestSampling,
     SamplerFlags,
@@ -38,6 +39,7 @@ class RequestRow:
     block_ids: tuple[int, ...]
     num_computed: int  # tokens whose KV is in the cache
     num_tokens: int  # tokens known so far: prefill + sampled
+    lora_id: int = 0  # its LoRA adapter's lora_int_id (0: the base model)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class RequestTable:
                 block_ids=tuple(new.block_ids[0]),
                 num_computed=new.num_computed_tokens,
                 num_tokens=len(prefill),
+                lora_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
             )
         cached = sched.scheduled_cached_reqs
         for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
@@ -302,6 +305,8 @@ def _check_types(sched: SchedulerOutput, bad: Callable[[str], None]) -> None:
     for new in sched.scheduled_new_reqs:
         if not isinstance(new.sampling_params, SamplingParams):
             bad(f"request {new.req_id!r}: sampling_params must be a SamplingParams, got {type(new.sampling_params).__name__}")
+        if new.lora_request is not None and not isinstance(new.lora_request, LoRARequest):
+            bad(f"request {new.req_id!r}: lora_request must be a LoRARequest, got {type(new.lora_request).__name__}")
         ints(f"request {new.req_id!r}: token ids", list(new.prompt_token_ids))
         if new.prefill_token_ids is not None:
             ints(f"request {new.req_id!r}: prefill token ids", list(new.prefill_token_ids))
@@ -327,11 +332,13 @@ def build_inputs(
     b_bucket: int,
     drafts: dict[str, list[int]] | None = None,
     grammar_bitmask: np.ndarray | None = None,
+    lora_slots: dict[str, int] | None = None,
 ) -> tuple[TokenInputs, SampleInputs, SamplerFlags, set[str]]:
     """Padded arrays for one step, the sampler's static flags, and the requests that sample a token.
     `drafts`: the scheduled draft tokens per request (speculative decoding); `grammar_bitmask`: the
-    rows' masks, or -1 (all allowed) of their shape until `write_grammar_rows` fills them."""
-    drafts = drafts or {}
+    rows' masks, or -1 (all allowed) of their shape until `write_grammar_rows` fills them;
+    `lora_slots`: the LoRA slot value of each request with an adapter."""
+    drafts, lora_slots = drafts or {}, lora_slots or {}
     r, s = cfg.max_num_seqs, cfg.max_num_seqs
     token_ids = np.full(t_bucket, -1, np.int32)
     token_rows = np.full(t_bucket, r, np.int32)
@@ -341,6 +348,7 @@ def build_inputs(
     seq_rows = np.zeros(s, np.int32)
     commit_rows = np.full(b_bucket, r, np.int32)
     relative, seq_relative, num_drafts = np.zeros(t_bucket, bool), np.zeros(s, bool), np.zeros(s, np.int32)
+    token_lora = np.zeros(t_bucket if cfg.lora.enabled else 0, np.int32)
     sample_positions = []
     sampled = set()
     start = 0
@@ -360,6 +368,8 @@ def build_inputs(
             positions[start : start + n] = np.arange(row.num_computed, end, dtype=np.int32)
             sample_positions.append(end)
         token_rows[start : start + n] = row.slot
+        if rid in lora_slots:
+            token_lora[start : start + n] = lora_slots[rid]
         start += n
         qsl[i + 1] = start
         seq_lens[i] = end
@@ -369,7 +379,7 @@ def build_inputs(
             commit_rows[i] = row.slot
     qsl[len(order) + 1 :] = start
     tokens = TokenInputs(token_ids, token_rows, positions, qsl, seq_lens, seq_rows, np.int32(len(order)), relative,
-                         seq_relative, num_drafts)
+                         seq_relative, num_drafts, token_lora)
     md, flags = build_sampling_metadata(
         [table.rows[rid].sampling for rid in order], sample_positions, b_bucket, cfg.sampler, vocab_size,
         flag_variants(cfg.sampler, vocab_size), grammar_bitmask, 1 + cfg.speculative.num_speculative_tokens,

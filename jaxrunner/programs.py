@@ -18,6 +18,7 @@ looks for the executable on disk, which needs no lowering.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import inspect
 import logging
@@ -34,6 +35,7 @@ import numpy as np
 from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
 from jaxrunner.input_batch import RequestTable, build_inputs
 from jaxrunner.models.llama import param_structs
+from jaxrunner.models.lora import lora_structs, write_slot
 from jaxrunner.program_cache import ProgramCache
 from jaxrunner.sampling import SamplerFlags, flag_variants, neutral_metadata
 from jaxrunner.state import init_state
@@ -78,6 +80,16 @@ class Context:
     @functools.cached_property
     def draft_params(self) -> dict:
         return param_structs(self.draft_model, self.dtype) if self.draft_model is not None else {}
+
+    @functools.cached_property
+    def lora(self) -> tuple:
+        """The LoRA slots' shapes (() without LoRA)."""
+        return lora_structs(self.model, self.config.lora, self.dtype)
+
+    @functools.cached_property
+    def adapter(self) -> tuple:
+        """One slot's tensors: what `write_slot` writes."""
+        return lora_structs(self.model, dataclasses.replace(self.config.lora, max_loras=1), self.dtype)
 
     @functools.cached_property
     def state(self):
@@ -163,7 +175,7 @@ def _write_blocks_examples(ctx: Context) -> Iterator[Example]:
 def _forward_examples(ctx: Context) -> Iterator[Example]:
     for t in reversed(ctx.config.token_buckets):
         for decode in ctx.forward_forms(t):
-            yield (ctx.params, ctx.draft_params, ctx.state, ctx.tokens(t)), dict(uniform_decode=decode)
+            yield (ctx.params, ctx.draft_params, ctx.lora, ctx.state, ctx.tokens(t)), dict(uniform_decode=decode)
 
 
 def _sample_examples(ctx: Context) -> Iterator[Example]:
@@ -190,7 +202,7 @@ def _decode_loop_examples(ctx: Context) -> Iterator[Example]:
     buckets = {(bucket(n, cfg.token_buckets), bucket(n, cfg.request_buckets)) for n in range(1, largest + 1)}
     for t, b in sorted(buckets, reverse=True):  # the (token, request) buckets of a batch of n decodes
         for flags in filter(ctx.loops, ctx.sampler_variants):
-            args = (ctx.params, ctx.state, ctx.tokens(t), ctx.samples(b, flags), np.zeros(b, np.int32))
+            args = (ctx.params, ctx.lora, ctx.state, ctx.tokens(t), ctx.samples(b, flags), np.zeros(b, np.int32))
             yield args, dict(flags=flags, num_steps=cfg.num_scheduler_steps, uniform_decode=ctx.decode_form)
 
 
@@ -200,12 +212,22 @@ def _prompt_logprobs_examples(ctx: Context) -> Iterator[Example]:
         yield (ctx.params, ctx.hidden(t), rows, rows), {}
 
 
+def _write_lora_examples(ctx: Context) -> Iterator[Example]:
+    if ctx.config.lora.enabled:
+        yield (ctx.lora, np.int32(0), ctx.adapter), {}
+
+
 def _model_and_kernels(ctx: Context) -> dict:
     return dict(model=ctx.model, kernels=ctx.kernels)
 
 
+def _decode_loop_options(ctx: Context) -> dict:
+    return _model_and_kernels(ctx) | dict(max_loras=ctx.config.lora.max_loras)
+
+
 def _forward_options(ctx: Context) -> dict:
-    return dict(model=ctx.model, draft_model=ctx.draft_model, kernels=ctx.kernels, spec_tokens=ctx.spec_tokens)
+    return dict(model=ctx.model, draft_model=ctx.draft_model, kernels=ctx.kernels, spec_tokens=ctx.spec_tokens,
+                max_loras=ctx.config.lora.max_loras)
 
 
 def _spec_options(ctx: Context) -> dict:
@@ -214,22 +236,23 @@ def _spec_options(ctx: Context) -> dict:
 
 WRITE_BLOCKS = Kind("write_blocks", write_block_rows, key=lambda args, s: (args[1].shape[0],),
                     examples=_write_blocks_examples, donate_argnums=(0,))
-FORWARD = Kind("forward", forward_step, key=lambda args, s: (args[3].token_ids.shape[0], s["uniform_decode"]),
-               examples=_forward_examples, fixed=_forward_options, donate_argnums=(2,))
+FORWARD = Kind("forward", forward_step, key=lambda args, s: (args[4].token_ids.shape[0], s["uniform_decode"]),
+               examples=_forward_examples, fixed=_forward_options, donate_argnums=(3,))
 SAMPLE = Kind("sample", sample_step, key=lambda args, s: (args[3].commit_rows.shape[0], s["flags"]),
               examples=_sample_examples, fixed=_model_and_kernels, donate_argnums=(1,))
 SPEC_SAMPLE = Kind("spec_sample", spec_sample_step, key=lambda args, s: (args[4].commit_rows.shape[0], s["flags"]),
                    examples=_spec_sample_examples, fixed=_spec_options, donate_argnums=(2,))
 DECODE_LOOP = Kind(
     "decode_loop", decode_loop,
-    key=lambda args, s: (args[2].token_ids.shape[0], args[3].commit_rows.shape[0], s["flags"], s["num_steps"], s["uniform_decode"]),
-    examples=_decode_loop_examples, fixed=_model_and_kernels, donate_argnums=(1,))
+    key=lambda args, s: (args[3].token_ids.shape[0], args[4].commit_rows.shape[0], s["flags"], s["num_steps"], s["uniform_decode"]),
+    examples=_decode_loop_examples, fixed=_decode_loop_options, donate_argnums=(2,))
 PROMPT_LOGPROBS = Kind(
     "prompt_logprobs", prompt_logprobs_step, key=lambda args, s: (args[1].shape[0],), examples=_prompt_logprobs_examples,
     fixed=lambda ctx: dict(model=ctx.model, num_top=ctx.config.sampler.logprobs_width(ctx.model.vocab_size),
                            as_logits=ctx.config.sampler.logprobs_mode.endswith("logits")))
+WRITE_LORA = Kind("write_lora", write_slot, key=lambda args, s: (), examples=_write_lora_examples, donate_argnums=(0,))
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
-KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, PROMPT_LOGPROBS)
+KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, PROMPT_LOGPROBS, WRITE_LORA)
 
 
 @dataclass(frozen=True)

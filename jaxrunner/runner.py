@@ -38,7 +38,10 @@ from jaxrunner.input_batch import (
     write_grammar_rows,
 )
 from jaxrunner.loader import load_model
+from jaxrunner.lora import Adapters
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.models.llama import Params
+from jaxrunner.models.lora import init_lora
 from jaxrunner.pending_output import PendingOutput
 from jaxrunner.programs import (
     DECODE_LOOP,
@@ -48,6 +51,7 @@ from jaxrunner.programs import (
     SAMPLE,
     SPEC_SAMPLE,
     WRITE_BLOCKS,
+    WRITE_LORA,
     Context,
     bucket,
     shared_programs,
@@ -108,6 +112,8 @@ class Runner:
         self.kernels = Kernels.choose(config.kernels)
         self.ctx = Context(model_config, config, self.kernels, str(params["embed"].dtype), self.draft_model)
         self.programs = shared_programs(self.ctx)
+        self.lora = init_lora(model_config, config.lora, self.ctx.dtype)  # the adapter slots (() without LoRA)
+        self.adapters = Adapters(model_config, config.lora)
         self._table = RequestTable.empty(config.max_num_seqs)
         self._prompt_logprobs = PromptLogprobsBuffer()
         self._rng = np.random.default_rng(config.seed)
@@ -128,6 +134,17 @@ class Runner:
         """Raise a ValueError for parameters this model or runner rules out (token ids, logprob counts)."""
         model = self.model_config
         prepare_request(params, 0, prompt_len, self.config.sampler, model.vocab_size, model.eos_token_ids)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (it loads into a device slot when a step needs it); a
+        ValueError names what is wrong with it."""
+        self.adapters.add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.adapters.remove(lora_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.adapters.requests()
 
     def step(self, state: RunnerState, sched: SchedulerOutput) -> tuple[RunnerState, RunnerOutput]:
         """Run one scheduled batch and wait for its output."""
@@ -153,8 +170,15 @@ class Runner:
             raise RuntimeError("the last step's forward pass is waiting for its sampling: call sample_tokens first")
         cfg, model, ctx = self.config, self.model_config, self.ctx
         rng = copy.deepcopy(self._rng)  # seeds are drawn from a copy, kept only if the step stands
+        for new in sched.scheduled_new_reqs:
+            if new.lora_request is not None:
+                self.adapters.add(new.lora_request)
         table, dirty = self._table.apply(sched, cfg, model, rng)
         order = batch_order(sched)
+        lora_ids = {table.rows[rid].lora_id for rid in order} - {0}
+        if len(lora_ids) > cfg.lora.max_loras:
+            raise ValueError(f"SchedulerOutput rejected: the step uses {len(lora_ids)} LoRA adapters, more than "
+                             f"max_loras={cfg.lora.max_loras}")
         scheduled = sched.num_scheduled_tokens
         if order:
             b_bucket = bucket(len(order), cfg.request_buckets)
@@ -162,8 +186,10 @@ class Runner:
             masks_per_row = 1 + ctx.spec_tokens
             masks = (np.broadcast_to(np.int32(-1), (len(order), masks_per_row * mask_words(model.vocab_size)))
                      if sched.structured_output_request_ids else None)  # all allowed until sample_tokens writes them
+            slot_values, writes = self.adapters.activate(lora_ids) if lora_ids else ({}, [])
+            lora_slots = {rid: slot_values[table.rows[rid].lora_id] for rid in order if table.rows[rid].lora_id}
             tokens, samples, flags, sampled = build_inputs(table, order, scheduled, cfg, model.vocab_size, t_bucket,
-                                                           b_bucket, sched.scheduled_spec_decode_tokens, masks)
+                                                           b_bucket, sched.scheduled_spec_decode_tokens, masks, lora_slots)
             blocks = block_table_rows(table, dirty, cfg, bucket(len(dirty), cfg.request_buckets)) if dirty else None
             if sched.num_steps == 1:  # the most tokens each request can keep: 1 + its drafts
                 steps = {rid: 1 + table.num_drafts(rid, sched) for rid in sampled}
@@ -180,13 +206,16 @@ class Runner:
             self._forwarded = PendingOutput([], {}, {}, None, {})
             return state
 
+        for slot, adapter in writes:
+            tensors = adapter.slot_tensors(model, cfg.lora.max_lora_rank, jnp.dtype(ctx.dtype))
+            self.lora = self.programs.run(WRITE_LORA, self.lora, np.int32(slot), tensors)
         if blocks is not None:
             state = self.programs.run(WRITE_BLOCKS, state, *blocks)
         decode = ctx.uniform_decode(scheduled)
         num_top = {rid: table.rows[rid].sampling.num_logprobs for rid in order}
         if sched.num_steps == 1:
-            last_hidden, hidden, state = self.programs.run(FORWARD, self.params, self.draft_params, state, tokens,
-                                                           uniform_decode=decode)
+            last_hidden, hidden, state = self.programs.run(FORWARD, self.params, self.draft_params, self.lora, state,
+                                                           tokens, uniform_decode=decode)
             self._forwarded = _Forwarded(sched, table, order, steps, num_top, scoring, last_hidden, hidden, samples, flags)
             self._table = table.advance(scheduled, steps)
         else:
@@ -237,12 +266,12 @@ class Runner:
         """Multi-step decode: in one call for plain sampling (`Context.loops`), else its rounds one
         by one through the single-step programs (same rounds, more dispatches)."""
         if self.ctx.loops(flags):
-            return self.programs.run(DECODE_LOOP, self.params, state, tokens, samples, counts, flags=flags,
+            return self.programs.run(DECODE_LOOP, self.params, self.lora, state, tokens, samples, counts, flags=flags,
                                      num_steps=num_steps, uniform_decode=decode)
         outs = []
         for j in range(num_steps):
             tok, smp = decode_round(tokens, samples, counts, j, self.config.max_num_seqs)
-            last_hidden, _, state = self.programs.run(FORWARD, self.params, self.draft_params, state, tok,
+            last_hidden, _, state = self.programs.run(FORWARD, self.params, self.draft_params, self.lora, state, tok,
                                                       uniform_decode=decode)
             out, state = self.programs.run(SAMPLE, self.params, state, last_hidden, smp, flags=flags)
             outs.append(out)
@@ -332,5 +361,5 @@ class Runner:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""
         ctx = self.ctx
         tokens = ctx.tokens(bucket(num_tokens, self.config.token_buckets))
-        return self.programs.executable(self.programs.program(FORWARD, ctx.params, ctx.draft_params, ctx.state, tokens,
-                                                              uniform_decode=uniform_decode))
+        return self.programs.executable(self.programs.program(FORWARD, ctx.params, ctx.draft_params, ctx.lora, ctx.state,
+                                                              tokens, uniform_decode=uniform_decode))

@@ -15,6 +15,8 @@
   `num_steps` rounds of forward + sample in one device call, each feeding its tokens to the next.
 - `prompt_logprobs_step` (one graph, fixed chunk): logprobs of prompt tokens from the backbone's
   hidden states, for requests that ask for prompt logprobs.
+- `write_slot` (`models.lora`, one graph): an adapter written into a LoRA slot; the backbone reads
+  each token's slot from `TokenInputs.lora_slots`.
 Splitting at the last-token hidden states keeps the number of graphs at T + R, not T x R.
 `programs.py` compiles each of them per bucket and option; `kernels` (a static `Kernels`) says
 whether the Pallas kernels or the jnp references run.
@@ -29,7 +31,8 @@ import jax.numpy as jnp
 
 from jaxrunner.attention import AttentionMetadata, paged_attend
 from jaxrunner.config import Kernels, ModelConfig, SpeculativeConfig
-from jaxrunner.models.llama import Params, compute_logits, forward
+from jaxrunner.models.llama import Params, compute_logits, forward, slot_mask
+from jaxrunner.models.lora import Lora
 from jaxrunner.ngram import ngram_drafts
 from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.sampling import (
@@ -65,6 +68,7 @@ class TokenInputs:
     relative: jax.Array  # bool [T]: the position is an offset from the row's device length - 1
     seq_relative: jax.Array  # bool [S]
     num_drafts: jax.Array  # i32 [S]: draft tokens among the sequence's last query tokens
+    lora_slots: jax.Array  # i32 [T]: the token's LoRA slot value (0: base model); [0] without LoRA
 
 
 @pytree_dataclass
@@ -103,9 +107,10 @@ def resolve_positions(state: RunnerState, inp: TokenInputs) -> TokenInputs:
 
 def backbone(
     params: Params, model: ModelConfig, kv: tuple, state: RunnerState, inp: TokenInputs, ids: jax.Array,
-    kernels: Kernels, uniform_decode: bool, queries_per_seq: int,
+    kernels: Kernels, uniform_decode: bool, queries_per_seq: int, lora: Lora = (), max_loras: int = 0,
 ) -> tuple[jax.Array, tuple]:
-    """One model over the batch `inp` (absolute positions) with its paged cache `kv`: (hidden [T, H], kv)."""
+    """One model over the batch `inp` (absolute positions) with its paged cache `kv`, and its LoRA
+    slots (() for none): (hidden [T, H], kv)."""
     num_rows = state.token_ids.shape[0]
     block_size = kv[0][0].shape[1]
     rows = jnp.minimum(inp.token_rows, num_rows - 1)
@@ -120,13 +125,14 @@ def backbone(
         num_seqs=inp.num_seqs,
     )
     attend = paged_attend(model, md, kernels, uniform_decode=uniform_decode, queries_per_seq=queries_per_seq)
+    mask = slot_mask(inp.lora_slots, max_loras, params["embed"].dtype) if lora else None
     with jax.default_matmul_precision(matmul_precision(params)):
-        return forward(params, model, ids, inp.positions, kv, attend)
+        return forward(params, model, ids, inp.positions, kv, attend, lora, mask)
 
 
 def forward_step(
-    params: Params, draft_params: Params, state: RunnerState, inp: TokenInputs, *, model: ModelConfig,
-    draft_model: ModelConfig | None, kernels: Kernels, uniform_decode: bool, spec_tokens: int,
+    params: Params, draft_params: Params, lora: Lora, state: RunnerState, inp: TokenInputs, *, model: ModelConfig,
+    draft_model: ModelConfig | None, kernels: Kernels, uniform_decode: bool, spec_tokens: int, max_loras: int,
 ) -> tuple[jax.Array, jax.Array, RunnerState]:
     """(hidden states of each sequence's last 1 + spec_tokens tokens [S, 1 + k, H], of every token
     [T, H], the new state). Row i of a sequence is the hidden state after its i-th draft; the rows
@@ -137,7 +143,7 @@ def forward_step(
     ids = jnp.where(inp.token_ids >= 0, inp.token_ids, state.token_ids[rows, inp.positions])
     token_ids = state.token_ids.at[inp.token_rows, inp.positions].set(ids, mode="drop")
     qps = 1 + spec_tokens
-    hidden, kv = backbone(params, model, state.kv, state, inp, ids, kernels, uniform_decode, qps)
+    hidden, kv = backbone(params, model, state.kv, state, inp, ids, kernels, uniform_decode, qps, lora, max_loras)
     draft_kv = state.draft_kv
     if draft_model is not None:  # the draft model's pages follow the target's, token for token
         _, draft_kv = backbone(draft_params, draft_model, draft_kv, state, inp, ids, kernels, uniform_decode, qps)
@@ -253,7 +259,7 @@ def propose(
             query_start_loc=jnp.minimum(jnp.arange(num_rows + 1), b).astype(jnp.int32),
             seq_lens=jnp.zeros(num_rows, jnp.int32).at[:b].set(pos + 1), seq_rows=_pad_rows(slots, num_rows),
             num_seqs=jnp.int32(b), relative=jnp.zeros(b, bool), seq_relative=jnp.zeros(num_rows, bool),
-            num_drafts=jnp.zeros(num_rows, jnp.int32),
+            num_drafts=jnp.zeros(num_rows, jnp.int32), lora_slots=jnp.zeros(0, jnp.int32),
         )
         ids = state.token_ids[slots, pos]
         hidden, draft_kv = backbone(draft_params, draft_model, state.draft_kv, state, tokens, ids, kernels,
@@ -316,6 +322,7 @@ def decode_round(
 
 def decode_loop(
     params: Params,
+    lora: Lora,
     state: RunnerState,
     tokens: TokenInputs,
     samples: SampleInputs,
@@ -326,14 +333,15 @@ def decode_loop(
     flags: SamplerFlags,
     num_steps: int,
     uniform_decode: bool,
+    max_loras: int,
 ) -> tuple[SamplerOutput, RunnerState]:
     """`num_steps` rounds of `decode_round` inputs through forward + sample in one call; outputs
     stacked [num_steps, B]."""
 
     def round_(state: RunnerState, j: jax.Array) -> tuple[RunnerState, SamplerOutput]:
         tok, smp = decode_round(tokens, samples, steps, j, state.token_ids.shape[0])
-        last_hidden, _, state = forward_step(params, {}, state, tok, model=model, draft_model=None, kernels=kernels,
-                                             uniform_decode=uniform_decode, spec_tokens=0)
+        last_hidden, _, state = forward_step(params, {}, lora, state, tok, model=model, draft_model=None, kernels=kernels,
+                                             uniform_decode=uniform_decode, spec_tokens=0, max_loras=max_loras)
         out, state = sample_step(params, state, last_hidden, smp, model=model, kernels=kernels, flags=flags)
         return state, out
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class NewRequestData:
     `prefill_token_ids` is the prompt, plus the tokens already generated when a preempted
     request resumes (defaults to the prompt). `block_ids` holds one list per KV-cache group.
     `num_computed_tokens` counts tokens whose KV is already in the cache (prefix-cache hits).
+    `lora_request`: the LoRA adapter it runs with (None: the base model).
     """
 
     req_id: str
@@ -30,6 +32,7 @@ class NewRequestData:
     num_computed_tokens: int = 0
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     prefill_token_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def all_prefill_token_ids(self) -> list[int]:

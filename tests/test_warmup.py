@@ -49,7 +49,7 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     plain = llm.generate(prompts[:2], SamplingParams(temperature=0.9, seed=5, max_tokens=14, logprobs=1), use_tqdm=False)
     assert all(o.finished and o.error is None for o in outs + plain) and llm.llm_engine.scheduler.num_preemptions > 0
     assert programs.asked <= programs.warm and programs.compiled_on_use == 0
-    assert {key[0] for key in programs.asked} == KINDS - {"spec_sample"}  # no speculative decoding here
+    assert {key[0] for key in programs.asked} == KINDS - {"spec_sample", "write_lora"}  # no drafts, no LoRA here
     assert any(key[0] == "forward" and key[2] for key in programs.asked) == bool(decode_forms)
 
 
@@ -72,8 +72,8 @@ def test_a_step_lowers_its_layer_once_for_all_layers():
     model = dataclasses.replace(shape("tiny"), num_layers=4)
     config = RunnerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_blocks=64)
     runner = Runner(model, init_params(model, jax.random.key(0)), config)
-    program = runner.programs.program(programs_table.FORWARD, runner.params, runner.draft_params, runner.init_state(),
-                                      runner.ctx.tokens(16), uniform_decode=False)
+    program = runner.programs.program(programs_table.FORWARD, runner.params, runner.draft_params, runner.lora,
+                                      runner.init_state(), runner.ctx.tokens(16), uniform_decode=False)
     text = program.kind.jitted.lower(*program.args, **program.statics).as_text()
     assert len(re.findall(r"func\.func private @decoder_layer\b", text)) == 1
     assert len(re.findall(r"call @decoder_layer\b", text)) == 4

@@ -1,19 +1,29 @@
 """`jaxrunner bench throughput`, workload W2 (docs/design.md): 256 requests with prompt lengths uniform
 in [100, 1024], 512 greedy new tokens each (EOS ignored), random weights in the Qwen3-0.6B shape;
 output tokens per second end to end through `LLM.generate`, against Hugging Face transformers'
-continuous batching (`generate_batch`) on the same prompts when it can run.
+continuous batching (`generate_batch`) on the same prompts when it can run. With `num_loras`, every
+request runs with one of that many random PEFT adapters of rank `lora_rank` (round robin), each
+adapting all seven projections.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 
 import jax
 import numpy as np
+from safetensors.numpy import save_file
 
 from jaxrunner.bench import hf_peer
 from jaxrunner.bench.latency import hf_config, spec_lines
+from jaxrunner.config import ModelConfig
 from jaxrunner.engine.llm import LLM
+from jaxrunner.lora import MODULES, WEIGHTS_FILE
+from jaxrunner.lora_request import LoRARequest
+from jaxrunner.models.lora import projection_parts
 from jaxrunner.models.shapes import shape
 from jaxrunner.sampling_params import SamplingParams
 
@@ -31,6 +41,8 @@ def run(
     seed: int = 0,
     peer: bool = True,
     speculative_config: dict | None = None,
+    num_loras: int = 0,
+    lora_rank: int = 16,
 ) -> dict:
     """A short warm-up generation (a few requests, prompts of their own so the prefix cache cannot
     serve the timed ones), then one timed `generate` of all the requests; the peer runs first, in
@@ -44,6 +56,8 @@ def run(
                 num_scheduler_steps=num_scheduler_steps, async_scheduling=async_scheduling, seed=seed)
     if speculative_config:
         args.update(speculative_config=speculative_config)
+    if num_loras:
+        args.update(num_loras=num_loras, lora_rank=lora_rank)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_prompt, max_prompt + 1, num_prompts)
@@ -53,6 +67,7 @@ def run(
         hf_peer.run(dict(workload="throughput", config=hf_config(model), prompts=prompts, new=new, seed=seed))
         if peer else {"skipped": "--no-peer"}
     )
+    lora_args = dict(enable_lora=True, max_loras=num_loras, max_lora_rank=lora_rank) if num_loras else {}
     llm = LLM(
         shape_name,
         load_format="dummy",
@@ -62,12 +77,20 @@ def run(
         async_scheduling=async_scheduling,
         seed=seed,
         speculative_config=speculative_config,
+        **lora_args,
     )
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    llm.generate(warmup, params, use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = [random_adapter(os.path.join(tmp, f"lora{i}"), model, lora_rank, seed + i) for i in range(num_loras)]
+        loras = [LoRARequest(f"lora{i}", i + 1, path) for i, path in enumerate(adapters)]
+        def spread(n: int) -> list[LoRARequest] | None:
+            return [loras[i % num_loras] for i in range(n)] if loras else None
+
+        llm.generate(warmup, params, use_tqdm=False, lora_request=spread(len(warmup)))
+        per_request = spread(num_prompts)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, lora_request=per_request)
+        elapsed = time.perf_counter() - start
     if failed := [out.error for out in outputs if out.error is not None]:
         raise RuntimeError(f"{len(failed)} of {num_prompts} W2 requests failed, e.g.: {failed[0]}")
     tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
@@ -88,6 +111,25 @@ def run(
     if "skipped" not in peer_result:
         result["speedup_vs_peer"] = result["tokens_per_s"] / peer_result["tokens_per_s"]
     return result
+
+
+def random_adapter(path: str, model: ModelConfig, rank: int, seed: int) -> str:
+    """A PEFT LoRA adapter of `rank` on every projection, random weights (std 0.02), saved at `path`."""
+    rng = np.random.default_rng(seed)
+    parts = projection_parts(model)
+    tensors = {}
+    for layer in range(model.num_layers):
+        for module, (name, part) in MODULES.items():
+            width, out = parts[name][0], parts[name][1][part]
+            block = "self_attn" if name in ("wqkv", "wo") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = (0.02 * rng.standard_normal((rank, width))).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = (0.02 * rng.standard_normal((out, rank))).astype(np.float32)
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, WEIGHTS_FILE))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES)}, f)
+    return path
 
 
 def summary(result: dict) -> str:

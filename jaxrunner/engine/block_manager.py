@@ -3,7 +3,7 @@
 Blocks come from a free queue and carry reference counts, so one block can back several requests
 that share a prefix (n > 1, shared system prompts). A block that is full is registered under a
 chained hash of its tokens (the hash of the block before it, then its own token ids), so a later
-request with the same prefix finds it. Freed blocks keep their hash and stay findable until the
+request with the same prefix (and the same LoRA adapter) finds it. Freed blocks keep their hash and stay findable until the
 allocator needs them: the free queue is in LRU order (front is evicted first), which is vLLM v1's
 prefix caching.
 
@@ -143,8 +143,10 @@ class BlockManager:
         hashes, bs = request.block_hashes, self.block_size
         if len(hashes) < num_blocks:
             tokens = request.all_token_ids
+            lora = request.lora_request
+            first = b"" if lora is None else b"lora:%d" % lora.lora_int_id  # an adapter's KV is its own
             for i in range(len(hashes), num_blocks):
-                hashes.append(hash_block(hashes[-1] if hashes else b"", tokens[i * bs : (i + 1) * bs]))
+                hashes.append(hash_block(hashes[-1] if hashes else first, tokens[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 
     def _register_full_blocks(self, request: Request, blocks: list[int], num_full: int) -> None:

@@ -56,6 +56,7 @@ from jaxrunner.engine.outputs import CompletionOutput, EngineStats, Logprob, Req
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.engine.structured_output import GrammarCompiler, new_grammar
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.pending_output import PendingOutput
 from jaxrunner.runner import Runner
 from jaxrunner.sampling_params import SamplingParams
@@ -187,15 +188,27 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         delta: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. With `delta`, each output carries only what is new since the last one.
-        Everything is checked before anything is queued: a ValueError leaves the engine as it was."""
+        """Queue a request, with `lora_request`'s adapter if given. With `delta`, each output carries
+        only what is new since the last one. Everything is checked before anything is queued: a
+        ValueError leaves the engine as it was. An adapter that cannot be read, or does not fit
+        (its rank, its modules), fails this request alone."""
         self._check_open()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if lora_request is not None and not self.config.lora.enabled:
+            raise ValueError("a LoRA request needs LoRA on: pass enable_lora=True (--enable-lora)")
         inputs = (
             prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt, params or SamplingParams())
         )
+        if lora_request is not None and inputs.error is None:
+            try:
+                self.runner.add_lora(lora_request)
+            except ValueError as e:
+                inputs = dataclasses.replace(inputs, error=str(e))
         parent = _Parent(request_id, inputs, delta)
         if inputs.error is not None:
             logger.warning("request %s failed: %s", request_id, inputs.error)
@@ -216,6 +229,7 @@ class LLMEngine:
                 sampling_params=child_params,
                 max_tokens=room if sp.max_tokens is None else sp.max_tokens,
                 eos_token_ids=frozenset() if sp.ignore_eos else frozenset(self.model_config.eos_token_ids),
+                lora_request=lora_request,
             )
             detok = (
                 None
@@ -255,6 +269,25 @@ class LLMEngine:
                 del self._children[child.request.req_id]
             if final_output:
                 self._ready.append(self._output(parent))
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its requests (vLLM's `add_lora`); a ValueError says
+        what is wrong with it."""
+        self._check_open()
+        if not self.config.lora.enabled:
+            raise ValueError("add_lora needs LoRA on: pass enable_lora=True (--enable-lora)")
+        self.runner.add_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; requests already running with it finish with it."""
+        running = {r.lora_request.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
+        if lora_id in running:
+            raise ValueError(f"LoRA adapter {lora_id} is in use by running requests; remove it once they finish")
+        return self.runner.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.runner.list_loras()}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._ready or self._compiling) or self.scheduler.has_unfinished_requests()

@@ -18,12 +18,13 @@ import jax
 
 from jaxrunner import platform
 from jaxrunner.checks import check_bool, check_int, is_real
-from jaxrunner.config import KERNEL_CHOICES, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig
+from jaxrunner.config import KERNEL_CHOICES, LoraConfig, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig
 from jaxrunner.engine.default_model import default_model, default_model_config
 from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.loader import Checkpoint, open_checkpoint
 from jaxrunner.models.llama import Params, init_params
+from jaxrunner.models.lora import lora_bytes
 from jaxrunner.models.shapes import shape
 from jaxrunner.runner import Runner
 from jaxrunner.state import kv_cache_bytes
@@ -55,7 +56,9 @@ class EngineArgs:
     references elsewhere), "pallas" (interpreted off a GPU) or "reference". `speculative_config`:
     vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     "prompt_lookup_min": 2} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}
-    (`config.SpeculativeConfig`)."""
+    (`config.SpeculativeConfig`). `enable_lora`: serve LoRA adapters (`LoRARequest`), up to `max_loras`
+    in one batch, of rank up to `max_lora_rank`; `max_cpu_loras` adapters stay parsed on the host
+    (default `max_loras`)."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -78,6 +81,10 @@ class EngineArgs:
     max_bad_word_len: int = SamplerConfig.max_bad_word_len
     kernels: str = "auto"
     speculative_config: dict | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         where = "EngineArgs"
@@ -87,7 +94,7 @@ class EngineArgs:
             check_int(where, name, getattr(self, name), 1)
         check_int(where, "seed", self.seed)
         check_int(where, "max_logprobs", self.max_logprobs)
-        for name in ("skip_tokenizer_init", "enable_prefix_caching", "async_scheduling"):
+        for name in ("skip_tokenizer_init", "enable_prefix_caching", "async_scheduling", "enable_lora"):
             check_bool(where, name, getattr(self, name))
         if self.enforce_eager is not None:
             check_bool(where, "enforce_eager", self.enforce_eager)
@@ -102,11 +109,16 @@ class EngineArgs:
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         self.sampler_config()  # its own checks (logprobs settings), before anything loads
+        check_int(where, "max_loras", self.max_loras, 1)
+        self.lora_config()
         if self.speculative().enabled and self.num_scheduler_steps > 1:
             raise ValueError("speculative_config and num_scheduler_steps > 1 do not combine; use one of them")
 
     def speculative(self) -> SpeculativeConfig:
         return SpeculativeConfig() if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+
+    def lora_config(self) -> LoraConfig:
+        return LoraConfig(self.max_loras if self.enable_lora else 0, self.max_lora_rank, self.max_cpu_loras)
 
     def sampler_config(self) -> SamplerConfig:
         return SamplerConfig(max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
@@ -159,6 +171,7 @@ def runner_config(
         num_scheduler_steps=args.num_scheduler_steps,
         sampler=args.sampler_config(),
         speculative=args.speculative(),
+        lora=args.lora_config(),
         kernels=args.kernels,
         compilation_cache_dir=os.path.join(cache_dir(), "xla"),
     )
@@ -181,6 +194,7 @@ def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
         num_speculative_tokens=cfg.speculative.num_speculative_tokens,
         num_lookahead_tokens=cfg.speculative.num_lookahead_tokens,
         vocab_size=vocab_size,
+        max_loras=cfg.lora.max_loras,
     )
 
 
@@ -196,7 +210,8 @@ def _num_blocks(
     if not stats:
         return max(cfg.max_blocks_per_req, min(cfg.max_num_seqs * cfg.max_blocks_per_req, CPU_KV_CACHE_BYTES // per_block))
     activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1), draft).peak_step_bytes()
-    blocks = kv_blocks_that_fit(stats["bytes_limit"], stats["bytes_in_use"], activations, args.gpu_memory_utilization, per_block)
+    in_use = stats["bytes_in_use"] + lora_bytes(model, cfg.lora, cfg.dtype)  # the adapter slots come after sizing
+    blocks = kv_blocks_that_fit(stats["bytes_limit"], in_use, activations, args.gpu_memory_utilization, per_block)
     logger.info("KV cache sizing: %.2f GiB device, %.2f GiB in use (weights), %.2f GiB for the largest step's "
                 "activations: %d blocks", stats["bytes_limit"] / 2**30, stats["bytes_in_use"] / 2**30, activations / 2**30, blocks)
     return blocks

@@ -20,6 +20,7 @@ from jaxrunner.engine.chat import Conversation, render_chat
 from jaxrunner.engine.engine import LLMEngine, Prompt
 from jaxrunner.engine.engine_args import EngineArgs
 from jaxrunner.engine.outputs import RequestOutput
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.sampling_params import SamplingParams
 
 
@@ -55,11 +56,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Finished outputs, in the order of `prompts`. A prompt that cannot run gets an output with
-        finish_reason "error" (and `error` set) while the others complete. Returns once nothing it
-        dispatched is still running on the device."""
-        request_ids = self._add_requests(prompts, sampling_params, delta=False)
+        finish_reason "error" (and `error` set) while the others complete. `lora_request`: one
+        adapter for every prompt, or one (or None) per prompt. Returns once nothing it dispatched is
+        still running on the device."""
+        request_ids = self._add_requests(prompts, sampling_params, delta=False, lora_request=lora_request)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         num_in = num_out = 0
@@ -109,12 +112,13 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> Iterator[RequestOutput]:
         """Outputs as tokens arrive: each carries only the new text and token ids of the completions
         that progressed (vLLM's DELTA outputs); the last one of a request has `finished` set (an
         aborted request's with finish_reason "abort"). Closing the iterator early aborts what is
         still running."""
-        request_ids = self._add_requests(prompts, sampling_params, delta=True)
+        request_ids = self._add_requests(prompts, sampling_params, delta=True, lora_request=lora_request)
         pending = set(request_ids)
         try:
             while pending:
@@ -151,6 +155,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         delta: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[str]:
         """Check every prompt first, so a bad prompt or sampling parameter raises before anything is queued."""
         prompt_list = _prompt_list(prompts)
@@ -169,12 +174,27 @@ class LLM:
                 f"got {len(params)} sampling_params for {len(prompt_list)} prompts: pass one SamplingParams, "
                 "or a list with one per prompt"
             )
+        loras = _per_prompt("lora_request", lora_request, len(prompt_list), LoRARequest)
+        if any(loras) and not self.llm_engine.config.lora.enabled:
+            raise ValueError("lora_request needs LoRA on: pass enable_lora=True")
         processed = [self.llm_engine.process_prompt(p, sp) for p, sp in zip(prompt_list, params)]
         request_ids = [str(next(self._ids)) for _ in processed]
-        for request_id, inputs in zip(request_ids, processed):
-            self.llm_engine.add_request(request_id, inputs, delta=delta)
+        for request_id, inputs, lora in zip(request_ids, processed, loras):
+            self.llm_engine.add_request(request_id, inputs, delta=delta, lora_request=lora)
             self._outbox[request_id] = []
         return request_ids
+
+
+def _per_prompt(name: str, value, n: int, kind: type) -> list:
+    """One value for every prompt, or a list with one (or None) per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    if isinstance(value, Sequence) and not isinstance(value, (str, dict)):
+        values = list(value)
+        if len(values) != n or not all(v is None or isinstance(v, kind) for v in values):
+            raise ValueError(f"{name}: give one {kind.__name__}, or a list with one (or None) for each of the {n} prompts")
+        return values
+    raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {type(value).__name__}")
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

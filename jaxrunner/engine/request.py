@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from jaxrunner.engine.structured_output import Grammar
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.sampling_params import SamplingParams
 
 
@@ -57,6 +58,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     grammar: Grammar | None = None  # structured output: where the output is in its grammar
     draft_token_ids: list[int] = field(default_factory=list)  # a structured request's next drafts, from the runner
+    lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -29,6 +29,9 @@ once the steps before are taken, while the device runs this step's forward pass 
 With speculative decoding its drafts are the ones the device proposed last
 (`RunnerOutput.draft_token_ids`), cut where the grammar stops allowing them, so such a request
 waits for its step in flight. Structured requests never run in a multi-step call.
+
+A request with a LoRA adapter is admitted only while the running requests use at most `max_loras`
+adapters with it (the runner's device slots); the others wait in their place in the queue.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0  # KV slots a step writes past its tokens (a draft model's proposals)
     vocab_size: int = 0  # the width of structured requests' masks
+    max_loras: int = 0  # LoRA adapters the running requests may use at once (0: LoRA off)
 
 
 # Draft tokens for a request, given how many the step can take (vLLM's host-side proposers).
@@ -168,8 +172,12 @@ class Scheduler:
             i += 1
 
         admitted: list[Request] = []
+        skipped: list[Request] = []  # their adapter would exceed max_loras: they keep their place in the queue
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self._adapter_fits(request):
+                skipped.append(self.waiting.popleft())
+                continue
             hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             n = min(request.num_tokens - num_hit_tokens, budget)
             if self.block_manager.allocate_slots(request, n + self._lookahead(num_hit_tokens + n), hits) is None:
@@ -184,6 +192,7 @@ class Scheduler:
             admitted.append(request)
             num_scheduled[request.req_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
         steps = self._decode_steps(num_scheduled, new_blocks) if not (admitted or preempted) else None
         structured = [r for r in map(self.requests.get, num_scheduled) if r.grammar is not None
@@ -203,6 +212,13 @@ class Scheduler:
             scheduled[req_id] = (request, request.num_preemptions, num_sampled, num_drafts)
         self._in_flight.append(scheduled)
         return out
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the running requests' adapters, with this request's, stay within max_loras."""
+        if request.lora_request is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return request.lora_request.lora_int_id in running or len(running) < self.config.max_loras
 
     def _drafts(self, request: Request, num_drafts: int) -> list[int]:
         """A decode's drafts: the host proposer's, a structured request's from the device's last
@@ -272,6 +288,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 sampling_params=r.sampling_params,
                 prefill_token_ids=r.all_token_ids if r.output_token_ids else None,
+                lora_request=r.lora_request,
             )
             for r in admitted
         ]

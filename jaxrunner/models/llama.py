@@ -127,6 +127,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
+def slot_mask(slots: jax.Array, num_slots: int, dtype) -> jax.Array:
+    """[T, L] one-hot of each token's LoRA slot value (0, the base model: an all-zero row)."""
+    return (slots[:, None] == jnp.arange(1, num_slots + 1)[None, :]).astype(dtype)
+
+
+def lora_delta(x: jax.Array, w: dict, mask: jax.Array) -> jax.Array:
+    """The LoRA adapters' addition to `x @ W` [T, sum(out_p)] for one projection held as
+    `models.lora` lays it out: every slot's shrink in one matmul, the columns of slots other than
+    the token's zeroed by `mask` [T, L], then every slot's expand in one matmul per part."""
+    t, num_slots, parts = x.shape[0], mask.shape[1], len(w["b"])
+    shrunk = (x @ w["a"]).reshape(t, num_slots, parts, -1) * mask[:, :, None, None]
+    return jnp.concatenate([shrunk[:, :, p].reshape(t, -1) @ b for p, b in enumerate(w["b"])], axis=-1)
+
+
 Attend = Callable[[jax.Array, jax.Array, jax.Array, tuple], tuple[jax.Array, tuple]]
 
 
@@ -137,8 +151,12 @@ def forward(
     positions: jax.Array,
     kv: tuple,
     attend: Attend,
+    lora: tuple = (),
+    lora_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple]:
     """Run a packed batch of T tokens; returns the final hidden states [T, H] and the updated KV.
+    `lora`: the adapter slots per layer (`models.lora`; () without LoRA), `lora_mask` [T, L] each
+    token's slot (`slot_mask`).
 
     `attend(q, k, v, kv_layer) -> (out [T, Hq, D], kv_layer)` writes this step's keys and values into
     a layer's paged cache and attends over it. It is a callable pytree (the runner's
@@ -147,24 +165,31 @@ def forward(
     """
     x = params["embed"][token_ids]
     new_kv = []
-    for p, kv_layer in zip(params["layers"], kv, strict=True):
-        x, kv_layer = decoder_layer(p, x, positions, kv_layer, attend, cfg=cfg)
+    for i, (p, kv_layer) in enumerate(zip(params["layers"], kv, strict=True)):
+        adapters = lora[i] if lora else {}
+        x, kv_layer = decoder_layer(p, adapters, x, positions, kv_layer, attend, lora_mask, cfg=cfg)
         new_kv.append(kv_layer)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), tuple(new_kv)
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def decoder_layer(p: dict, x: jax.Array, positions: jax.Array, kv: tuple, attend: Attend, *,
-                  cfg: ModelConfig) -> tuple[jax.Array, tuple]:
-    """One layer. Jitted, so a step's program traces and lowers it once and calls it from every layer:
-    lowering runs in Python and, written out per layer (the Pallas kernels into Triton IR each time),
-    was most of start-up. XLA inlines the calls: the compiled step is the same."""
+def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: tuple, attend: Attend,
+                  lora_mask: jax.Array | None, *, cfg: ModelConfig) -> tuple[jax.Array, tuple]:
+    """One layer (`lora`: its adapter slots, {} without LoRA). Jitted, so a step's program traces and
+    lowers it once and calls it from every layer: lowering runs in Python and, written out per layer
+    (the Pallas kernels into Triton IR each time), was most of start-up. XLA inlines the calls: the
+    compiled step is the same."""
+
+    def project(h: jax.Array, name: str) -> jax.Array:
+        out = h @ p[name]
+        return out + lora_delta(h, lora[name], lora_mask) if lora else out
+
     t = x.shape[0]
     d, eps = cfg.head_dim, cfg.rms_norm_eps
     q_width, kv_width, _ = fused_parts(cfg)["wqkv"]
     inv_freq = rope_inv_freq(cfg)
     h = rms_norm(x, p["attn_norm"], eps)
-    qkv = h @ p["wqkv"]
+    qkv = project(h, "wqkv")
     if cfg.qkv_bias:
         qkv = qkv + p["bqkv"]
     q, k, v = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
@@ -175,10 +200,10 @@ def decoder_layer(p: dict, x: jax.Array, positions: jax.Array, kv: tuple, attend
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     o, kv = attend(q, k, v, kv)
-    x = x + o.reshape(t, cfg.num_heads * d) @ p["wo"]
+    x = x + project(o.reshape(t, cfg.num_heads * d), "wo")
     h = rms_norm(x, p["mlp_norm"], eps)
-    gate, up = jnp.split(h @ p["w_gate_up"], 2, axis=-1)
-    return x + (jax.nn.silu(gate) * up) @ p["w_down"], kv
+    gate, up = jnp.split(project(h, "w_gate_up"), 2, axis=-1)
+    return x + project(jax.nn.silu(gate) * up, "w_down"), kv
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

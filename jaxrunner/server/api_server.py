@@ -4,7 +4,8 @@
     jaxrunner serve DIR --host 0.0.0.0 --port 8080
 
 Routes: /v1/completions, /v1/chat/completions (the tokenizer's chat template), /v1/models, /health,
-/metrics. `stream: true` answers with server-sent events, `[DONE]` last. Every error has OpenAI's
+/metrics. With LoRA on, `model` names the base model or an adapter: those of `--lora-modules`, and
+those added while serving through /v1/load_lora_adapter (and dropped by /v1/unload_lora_adapter). `stream: true` answers with server-sent events, `[DONE]` last. Every error has OpenAI's
 body ({"error": {"message", "type", "param", "code"}}): 400 for a malformed body, a bad parameter
 or a prompt that does not fit, 404 for an unknown model or route. A request is checked and taken by
 the engine before its response starts, so a stream never begins for a request that cannot run; a
@@ -32,9 +33,16 @@ from jaxrunner.engine.engine import LLMEngine
 from jaxrunner.engine.engine_args import EngineArgs
 from jaxrunner.engine.model_files import DEFAULT_MODEL, default_gguf
 from jaxrunner.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.server.async_llm import AsyncLLM, ChatPrompt, EngineDeadError, RequestStream, merge_outputs
 from jaxrunner.server.metrics import ServerMetrics
-from jaxrunner.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from jaxrunner.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    SamplingFields,
+    UnloadLoRAAdapterRequest,
+)
 
 DISCONNECT_POLL_S = 0.25
 
@@ -43,19 +51,24 @@ class ModelNotFound(Exception):
     pass
 
 
-def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None) -> None:
-    """Load the engine (a bad model or argument fails here, before the port opens), then serve
-    until SIGINT or SIGTERM."""
+def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+          lora_modules: dict[str, str] | None = None) -> None:
+    """Load the engine and the adapters of `lora_modules` (name: PEFT directory); a bad model,
+    argument or adapter fails here, before the port opens. Then serve until SIGINT or SIGTERM."""
     import uvicorn
 
     name = served_model_name or args.model or (DEFAULT_MODEL if default_gguf() is not None else TINY_MODEL)
     engine = LLMEngine(args)
+    loras = [LoRARequest(lora, i, path) for i, (lora, path) in enumerate((lora_modules or {}).items(), 1)]
+    for lora in loras:
+        engine.add_lora(lora)
     metrics = ServerMetrics(name)
-    uvicorn.run(build_app(AsyncLLM(engine, metrics), metrics, name), host=host, port=port, log_level="info")
+    uvicorn.run(build_app(AsyncLLM(engine, metrics), metrics, name, loras), host=host, port=port, log_level="info")
 
 
-def build_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str) -> FastAPI:
-    """The app; its lifespan starts the engine's thread and, at shutdown, drains it."""
+def build_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, loras: list[LoRARequest] = ()) -> FastAPI:
+    """The app; its lifespan starts the engine's thread and, at shutdown, drains it. `loras`: the
+    adapters `model` may name (added to the engine already)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -65,9 +78,16 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str) -> FastAPI
 
     app = FastAPI(title="jaxrunner", lifespan=lifespan)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise ModelNotFound(f"the model {name!r} does not exist; this server serves {model_name!r}")
+    adapters = {lora.lora_name: lora for lora in loras}
+
+    def check_model(name: str | None) -> tuple[str, LoRARequest | None]:
+        """The name replies carry, and the adapter `name` asks for."""
+        if name is None or name == model_name:
+            return model_name, None
+        if name in adapters:
+            return name, adapters[name]
+        served = ", ".join(repr(n) for n in [model_name, *adapters])
+        raise ModelNotFound(f"the model {name!r} does not exist; this server serves {served}")
 
     @app.get("/health")
     async def health() -> Response:
@@ -81,16 +101,40 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str) -> FastAPI
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxrunner",
-                "max_model_len": llm.engine.config.max_model_len}
-        return {"object": "list", "data": [card]}
+        created, max_len = int(time.time()), llm.engine.config.max_model_len
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "jaxrunner", "max_model_len": max_len}
+        lora_cards = [{"id": a.lora_name, "object": "model", "created": created, "owned_by": "jaxrunner",
+                       "root": str(a.lora_path), "parent": model_name, "max_model_len": max_len} for a in adapters.values()]
+        return {"object": "list", "data": [card, *lora_cards]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        if body.lora_name in adapters or body.lora_name == model_name:
+            raise ValueError(f"the name {body.lora_name!r} is taken; unload that adapter first or choose another name")
+        lora = LoRARequest(body.lora_name, max((a.lora_int_id for a in adapters.values()), default=0) + 1, body.lora_path)
+        adapters[lora.lora_name] = lora  # the id is taken while the engine reads the files
+        try:
+            await llm.call(lambda engine: engine.add_lora(lora))
+        except BaseException:
+            del adapters[lora.lora_name]
+            raise
+        return Response(f"LoRA adapter {lora.lora_name!r} added", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        lora = adapters.get(body.lora_name)
+        if lora is None:
+            raise ModelNotFound(f"no LoRA adapter named {body.lora_name!r}")
+        await llm.call(lambda engine: engine.remove_lora(lora.lora_int_id))
+        del adapters[lora.lora_name]
+        return Response(f"LoRA adapter {lora.lora_name!r} removed", media_type="text/plain")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        name, lora = check_model(body.model)
         params = body.to_sampling_params()
-        reply = _Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", model_name, body, params.n)
-        streams = await _add(llm, reply.id, body.prompts(), params)
+        reply = _Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", name, body, params.n)
+        streams = await _add(llm, reply.id, body.prompts(), params, lora)
         if body.stream:
             return _EventStream(reply.completion_events(streams), streams)
         outputs = await _until_disconnected(request, streams)
@@ -98,12 +142,12 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str) -> FastAPI
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        name, lora = check_model(body.model)
         params = body.to_sampling_params()
         prompt = ChatPrompt([m.as_dict() for m in body.messages], body.chat_template, body.add_generation_prompt,
                             body.continue_final_message)
-        reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", model_name, body, params.n)
-        streams = await _add(llm, reply.id, [prompt], params)
+        reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", name, body, params.n)
+        streams = await _add(llm, reply.id, [prompt], params, lora)
         if body.stream:
             return _EventStream(reply.chat_events(streams[0]), streams)
         outputs = await _until_disconnected(request, streams)
@@ -154,12 +198,12 @@ def _failed(outputs: list[RequestOutput] | None) -> Response | None:
     return None
 
 
-async def _add(llm: AsyncLLM, reply_id: str, prompts: list, params) -> list[RequestStream]:
+async def _add(llm: AsyncLLM, reply_id: str, prompts: list, params, lora: LoRARequest | None) -> list[RequestStream]:
     """Every prompt taken by the engine, or none (the others are aborted and the error raised)."""
     streams = []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(await llm.add_request(f"{reply_id}-{i}", prompt, params))
+            streams.append(await llm.add_request(f"{reply_id}-{i}", prompt, params, lora))
     except BaseException:
         for stream in streams:
             stream.close()

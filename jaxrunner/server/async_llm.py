@@ -19,12 +19,13 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from jaxrunner.engine.chat import Conversation, render_chat
 from jaxrunner.engine.engine import LLMEngine, Prompt
 from jaxrunner.engine.outputs import EngineStats, RequestOutput
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.sampling_params import SamplingParams
 
 
@@ -44,6 +45,13 @@ class _Add:
     prompt: Prompt | ChatPrompt
     params: SamplingParams
     accepted: asyncio.Future  # done on the loop: the number of prompt tokens, or the ValueError
+    lora_request: LoRARequest | None = None
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], object]
+    done: asyncio.Future  # done on the loop: fn's result, or its ValueError
 
 
 @dataclass(frozen=True)
@@ -121,15 +129,17 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    async def add_request(self, request_id: str, prompt: Prompt | ChatPrompt, params: SamplingParams) -> RequestStream:
-        """Queue a request; its stream once the engine took it. ValueError when it cannot run."""
+    async def add_request(self, request_id: str, prompt: Prompt | ChatPrompt, params: SamplingParams,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue a request (with `lora_request`'s adapter); its stream once the engine took it.
+        ValueError when it cannot run, its adapter included."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running" + (f": {self.error!r}" if self.error else ""))
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = asyncio.Queue()
         accepted = self._loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, accepted))
+        self._commands.put(_Add(request_id, prompt, params, accepted, lora_request))
         try:
             num_prompt_tokens = await accepted
         except BaseException:
@@ -138,6 +148,15 @@ class AsyncLLM:
                 self._commands.put(_Abort(request_id))
             raise
         return RequestStream(self, request_id, num_prompt_tokens)
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """fn(engine) on the engine's thread, between two steps (adding an adapter, say); its result,
+        or the ValueError it raised."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running" + (f": {self.error!r}" if self.error else ""))
+        done = self._loop.create_future()
+        self._commands.put(_Call(fn, done))
+        return await done
 
     async def close(self) -> None:
         """Take no more requests, run those in flight to their end, then close the engine."""
@@ -157,6 +176,8 @@ class AsyncLLM:
                         stop = True
                     elif isinstance(command, _Add):
                         self._add(command, refuse=stop)
+                    elif isinstance(command, _Call):
+                        self._call(command)
                     else:
                         engine.abort_request([command.request_id], final_output=False)
                         self.observer.aborted(command.request_id)
@@ -195,12 +216,21 @@ class AsyncLLM:
             if inputs.error is not None:
                 raise ValueError(inputs.error)
             _check_length(len(inputs.prompt_token_ids), command.params.max_tokens, engine.config.max_model_len)
-            engine.add_request(command.request_id, inputs, delta=True)
+            if command.lora_request is not None:
+                engine.add_lora(command.lora_request)  # a bad adapter is the request's error, before it starts
+            engine.add_request(command.request_id, inputs, delta=True, lora_request=command.lora_request)
             self.observer.added(command.request_id, len(inputs.prompt_token_ids), time.monotonic())
             result = len(inputs.prompt_token_ids)
         except ValueError as e:
             result = e
         self._loop.call_soon_threadsafe(_settle, command.accepted, result)
+
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self.engine)
+        except ValueError as e:
+            result = e
+        self._loop.call_soon_threadsafe(_settle, command.done, result)
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         for out in outputs:

@@ -162,3 +162,14 @@ class ChatCompletionRequest(SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
         return self.sampling_params(max_tokens, logprobs)
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter body: the name `model` will give, and the PEFT directory."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1)

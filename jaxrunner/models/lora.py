@@ -1,0 +1,77 @@
+"""LoRA adapters in device slots, applied to a batch whose tokens each name their slot.
+
+For every layer and every projection (q|k|v, o, gate|up, down: the model's fused tensors) the
+device holds all `max_loras` adapters side by side, each padded to the rank R = `max_lora_rank`:
+`a` [in, L * P * R] (slot-major: slot l's parts p = 0..P-1, R columns each) and, per part, `b`
+[L * R, out_p] with the scaling folded in. A token's delta is then two dense matmuls over every
+slot, the first one's columns of other slots zeroed by the token's one-hot slot mask: no gather of
+weights per token, and shapes that depend only on (L, R), so adapters come and go without a
+recompile. Slot value 0 is the base model (an all-zero mask row); slot value l + 1 is device slot l.
+The delta itself is the model's (`llama.lora_delta`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrunner.config import LoraConfig, ModelConfig
+from jaxrunner.models.llama import fused_parts
+
+Lora = tuple  # per layer: {projection: {"a": [in, L * P * R], "b": (per part [L * R, out_p])}}; () when off
+
+
+def projection_parts(cfg: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Each LoRA-able projection: (its input width, the output widths of its parts)."""
+    fused = fused_parts(cfg)
+    return {
+        "wqkv": (cfg.hidden_size, fused["wqkv"]),
+        "wo": (cfg.num_heads * cfg.head_dim, (cfg.hidden_size,)),
+        "w_gate_up": (cfg.hidden_size, fused["w_gate_up"]),
+        "w_down": (cfg.intermediate_size, (cfg.hidden_size,)),
+    }
+
+
+def lora_shapes(cfg: ModelConfig, lora: LoraConfig) -> Lora:
+    if not lora.enabled:
+        return ()
+    n, r = lora.max_loras, lora.max_lora_rank
+    layer = {name: {"a": (width, n * len(outs) * r), "b": tuple((n * r, out) for out in outs)}
+             for name, (width, outs) in projection_parts(cfg).items()}
+    return tuple(layer for _ in range(cfg.num_layers))
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and bool(x) and all(isinstance(n, int) for n in x)
+
+
+def lora_structs(cfg: ModelConfig, lora: LoraConfig, dtype: str) -> Lora:
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), lora_shapes(cfg, lora), is_leaf=_is_shape)
+
+
+def lora_bytes(cfg: ModelConfig, lora: LoraConfig, dtype: str) -> int:
+    """Device bytes of the slots."""
+    return sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(lora_structs(cfg, lora, dtype)))
+
+
+def init_lora(cfg: ModelConfig, lora: LoraConfig, dtype: str) -> Lora:
+    """Every slot empty (zeros)."""
+    return jax.tree.map(lambda s: jnp.zeros(s, dtype), lora_shapes(cfg, lora), is_leaf=_is_shape)
+
+
+def write_slot(lora: Lora, slot: jax.Array, adapter: Lora) -> Lora:
+    """`lora` with device slot `slot` (0-based, traced: one program for every slot) holding `adapter`,
+    whose tensors are one slot's: `a` [in, P * R], each `b` [R, out_p]."""
+
+    def layer(dst: dict, src: dict) -> dict:
+        out = {}
+        for name, w in dst.items():
+            a, bs = src[name]["a"], src[name]["b"]
+            out[name] = {
+                "a": jax.lax.dynamic_update_slice(w["a"], a.astype(w["a"].dtype), (0, slot * a.shape[1])),
+                "b": tuple(jax.lax.dynamic_update_slice(b, s.astype(b.dtype), (slot * s.shape[0], 0))
+                           for b, s in zip(w["b"], bs, strict=True)),
+            }
+        return out
+
+    return tuple(layer(dst, src) for dst, src in zip(lora, adapter, strict=True))
