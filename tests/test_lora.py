@@ -57,20 +57,24 @@ def test_lora_delta_matches_a_per_token_reference():
     x @ A_slot @ B_slot (slot 0: no delta), on random inputs."""
     rng = np.random.default_rng(0)
     num_slots, rank, width, outs, tokens = 3, 4, 24, (16, 8, 8), 40
-    a = rng.normal(size=(width, num_slots * len(outs) * rank)).astype(np.float32)
-    bs = [rng.normal(size=(num_slots * rank, out)).astype(np.float32) for out in outs]
+    # per slot and part: A [width, rank] and B [rank, out], laid out as models.lora keeps them
+    a_parts = rng.normal(size=(num_slots, len(outs), width, rank)).astype(np.float32)
+    b_parts = [[rng.normal(size=(rank, out)).astype(np.float32) for out in outs] for _ in range(num_slots)]
+    a = a_parts.transpose(2, 0, 1, 3).reshape(width, -1)
+    b = np.zeros((num_slots * len(outs) * rank, sum(outs)), np.float32)
+    for s in range(num_slots):
+        for p, out in enumerate(outs):
+            row, col = (s * len(outs) + p) * rank, sum(outs[:p])
+            b[row : row + rank, col : col + out] = b_parts[s][p]
     x = rng.normal(size=(tokens, width)).astype(np.float32)
     slots = rng.integers(0, num_slots + 1, size=tokens).astype(np.int32)
     with jax.default_matmul_precision("highest"):
-        got = np.asarray(lora_delta(jnp.asarray(x), {"a": jnp.asarray(a), "b": tuple(map(jnp.asarray, bs))},
+        got = np.asarray(lora_delta(jnp.asarray(x), {"a": jnp.asarray(a), "b": jnp.asarray(b)},
                                     slot_mask(jnp.asarray(slots), num_slots, jnp.float32)))
     want = np.zeros((tokens, sum(outs)), np.float32)
     for t, s in enumerate(slots):
-        if s == 0:
-            continue
-        cols = a[:, (s - 1) * len(outs) * rank : s * len(outs) * rank]
-        parts = [x[t] @ cols[:, p * rank : (p + 1) * rank] @ b[(s - 1) * rank : s * rank] for p, b in enumerate(bs)]
-        want[t] = np.concatenate(parts)
+        if s > 0:
+            want[t] = np.concatenate([x[t] @ a_parts[s - 1, p] @ b_parts[s - 1][p] for p in range(len(outs))])
     assert np.abs(want[slots == 0]).max() == 0 and np.abs(want[slots > 0]).max() > 1
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 

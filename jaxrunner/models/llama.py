@@ -133,12 +133,12 @@ def slot_mask(slots: jax.Array, num_slots: int, dtype) -> jax.Array:
 
 
 def lora_delta(x: jax.Array, w: dict, mask: jax.Array) -> jax.Array:
-    """The LoRA adapters' addition to `x @ W` [T, sum(out_p)] for one projection held as
-    `models.lora` lays it out: every slot's shrink in one matmul, the columns of slots other than
-    the token's zeroed by `mask` [T, L], then every slot's expand in one matmul per part."""
-    t, num_slots, parts = x.shape[0], mask.shape[1], len(w["b"])
-    shrunk = (x @ w["a"]).reshape(t, num_slots, parts, -1) * mask[:, :, None, None]
-    return jnp.concatenate([shrunk[:, :, p].reshape(t, -1) @ b for p, b in enumerate(w["b"])], axis=-1)
+    """The LoRA adapters' addition to `x @ W` [T, out] for one projection held as `models.lora`
+    lays it out: every slot's shrink in one matmul, the columns of slots other than the token's
+    zeroed by `mask` [T, L], then every slot's expand in one matmul."""
+    t, num_slots = mask.shape
+    shrunk = (x @ w["a"]).reshape(t, num_slots, -1) * mask[:, :, None]
+    return shrunk.reshape(t, -1) @ w["b"]
 
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, tuple], tuple[jax.Array, tuple]]
