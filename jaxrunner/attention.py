@@ -10,8 +10,10 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import Kernels, ModelConfig
+from jaxrunner.models.llama import MODEL_AXIS
 from jaxrunner.pytree import pytree_dataclass, static_field
 from pallas_kernels import (
     ragged_paged_attention,
@@ -50,8 +52,17 @@ class PagedAttention:
     queries_per_seq: int = static_field()  # of the decode form: 1, or 1 + k with speculative decoding
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple) -> tuple[jax.Array, tuple]:
-        """(out [T, Hq, D], the layer's (k, v) pages) for this step's q, k, v and the layer's pages."""
-        md, kernels = self.md, self.kernels
+        """(out [T, Hq, D], the layer's (k, v) pages) for this step's q, k, v and the layer's pages.
+        Under tensor parallelism (a mesh with MODEL_AXIS set) each device runs it on its own heads."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or mesh.shape.get(MODEL_AXIS, 1) == 1:
+            return self._attend(q, k, v, kv, self.md)
+        heads, pages = P(None, MODEL_AXIS, None), P(None, None, MODEL_AXIS, None)
+        return jax.shard_map(self._attend, in_specs=(heads, heads, heads, (pages, pages), P()),
+                             out_specs=(heads, (pages, pages)), check_vma=False)(q, k, v, kv, self.md)
+
+    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, md: AttentionMetadata) -> tuple[jax.Array, tuple]:
+        kernels = self.kernels
         options = dict(sm_scale=self.sm_scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap)
         if not kernels.pallas:
             k_cache, v_cache = write_kv(*kv, k, v, md.slot_mapping, impl="xla")

@@ -60,6 +60,8 @@ ENGINE_FLAGS = (
     ("load_format", str, "auto, or dummy: random weights in the shape --model names (e.g. qwen3-0.6b)"),
     ("num_scheduler_steps", int, "decode steps per device call"),
     ("async_scheduling", None, None),
+    ("tensor_parallel_size", int, "devices the model is split over"),
+    ("data_parallel_size", int, "replicas of the model, each on tensor_parallel_size devices of its own"),
     ("enable_lora", None, "serve LoRA adapters"),
     ("max_loras", int, "LoRA adapters in one batch (device slots)"),
     ("max_lora_rank", int, "the largest adapter rank"),
@@ -132,6 +134,7 @@ def _add_bench_parser(commands) -> None:
     throughput.add_argument("--new", type=int, default=512, help="new tokens per request (default 512)")
     throughput.add_argument("--num-loras", type=int, default=0, help="random LoRA adapters spread over the requests")
     throughput.add_argument("--lora-rank", type=int, default=16)
+    throughput.add_argument("--data-parallel-size", type=int, default=1, help="replicas, each on devices of its own")
     serve = workloads.add_parser("serve", help="W2's requests through a running server, streamed (TTFT, ITL)")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
     serve.add_argument("--model", help="the served model's name (default: the server's first)")
@@ -150,6 +153,7 @@ def _add_bench_parser(commands) -> None:
         workload.add_argument("--json", metavar="PATH", help="write the result there (and to $OUT/<workload>.json)")
         workload.add_argument("--speculative-config", type=json.loads, metavar="JSON",
                               help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+        workload.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -160,14 +164,15 @@ def bench(args: argparse.Namespace) -> int:
                                         args.min_prompt, args.max_prompt, args.new, args.seed), args)
     common = dict(shape_name=args.shape, num_scheduler_steps=args.num_scheduler_steps,
                   async_scheduling=args.async_scheduling, seed=args.seed, peer=args.peer,
-                  speculative_config=args.speculative_config)
+                  speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size)
     if args.workload == "latency":
         module = latency
         result = latency.run(prompt=args.prompt, new=args.new, iters=args.iters, oracle=args.oracle, **common)
     else:
         module = throughput
         result = throughput.run(num_prompts=args.num_prompts, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
-                                new=args.new, num_loras=args.num_loras, lora_rank=args.lora_rank, **common)
+                                new=args.new, num_loras=args.num_loras, lora_rank=args.lora_rank,
+                                data_parallel_size=args.data_parallel_size, **common)
     return _report(module, result, args)
 
 

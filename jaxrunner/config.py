@@ -54,6 +54,9 @@ class ModelConfig:
     attn_soft_cap: float | None = None  # attention scores capped to soft_cap * tanh(s / soft_cap) (Gemma 2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Tensor parallelism (set by the runner): the fused tensors hold, side by side, this many shards,
+    # each its own heads' q|k|v and its own slice of gate|up (`parallel.shard_layout`).
+    shards: int = 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -301,6 +304,7 @@ class RunnerConfig:
     tokens per step; a paged KV cache of `num_blocks` blocks of `block_size` tokens.
     `num_scheduler_steps`: the decode steps of a multi-step call (warm-up compiles its loop).
     `speculative`: speculative decoding (not with multi-step decode). `lora`: multi-LoRA slots.
+    `tensor_parallel_size`: devices the model is split over (`parallel`).
     `kernels`: "auto", "pallas" or "reference" (see `Kernels.choose`). `compilation_cache_dir` turns
     on JAX's persistent compilation cache (process-wide) there, and the runner's program cache in
     its `programs` folder (`program_cache`: found without lowering).
@@ -317,6 +321,8 @@ class RunnerConfig:
     sampler: SamplerConfig = SamplerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     lora: LoraConfig = LoraConfig()
+    tensor_parallel_size: int = 1
+    data_parallel_rank: int = 0  # this runner's replica: it runs on devices [rank * tp, (rank + 1) * tp)
     kernels: str = "auto"
     compilation_cache_dir: str | None = None
     token_buckets: tuple[int, ...] = field(default=())
@@ -324,13 +330,19 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks",
-                     "num_scheduler_steps"):
+                     "num_scheduler_steps", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunnerConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"RunnerConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"RunnerConfig.kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if not isinstance(self.data_parallel_rank, int) or self.data_parallel_rank < 0:
+            raise ValueError(f"RunnerConfig.data_parallel_rank must be an integer >= 0, got {self.data_parallel_rank!r}")
+        split = self.tensor_parallel_size > 1 or self.data_parallel_rank > 0
+        if split and (self.lora.enabled or self.speculative.enabled and self.speculative.method == "draft_model"):
+            raise ValueError("tensor and data parallelism do not combine with LoRA or a draft model yet; "
+                             "use tensor_parallel_size=1 and data_parallel_size=1 for them")
         if self.speculative.enabled and self.num_scheduler_steps > 1:
             raise ValueError("speculative decoding and multi-step decode (num_scheduler_steps > 1) do not combine; "
                              "use one of them")

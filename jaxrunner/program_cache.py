@@ -16,6 +16,7 @@ import logging
 import os
 import pathlib
 import pickle
+import threading
 
 import jax
 import jaxlib
@@ -42,6 +43,26 @@ def _environment() -> tuple:
         jax.__version__, jaxlib.__version__, device.platform, device.device_kind, device.client.platform_version,
         os.environ.get("XLA_FLAGS", ""), tuple(jax.config.values.get(flag) for flag in flags), _source_digest(),
     )
+
+
+_compiles = threading.local()  # per compiling thread: whether its compile was a persistent-cache hit
+
+
+def _note_cache_hit(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _compiles.hit = True
+
+
+jax.monitoring.register_event_listener(_note_cache_hit)
+
+
+def compile_noting_cache_hits(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
+    """The executable, and whether XLA compiled it here rather than JAX loading it from its
+    persistent cache. Only the first kind may be stored: one JAX loaded serializes into a file that
+    XLA:CPU loads but cannot run ("Function ... not found")."""
+    _compiles.hit = False
+    exe = lowered.compile()
+    return exe, not _compiles.hit
 
 
 class ProgramCache:

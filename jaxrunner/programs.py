@@ -31,14 +31,16 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
 from jaxrunner.input_batch import RequestTable, build_inputs
-from jaxrunner.models.llama import param_structs
+from jaxrunner.models.llama import param_specs, param_structs
 from jaxrunner.models.lora import lora_structs, write_slot
-from jaxrunner.program_cache import ProgramCache
+from jaxrunner.parallel import place
+from jaxrunner.program_cache import ProgramCache, compile_noting_cache_hits
 from jaxrunner.sampling import SamplerFlags, flag_variants, neutral_metadata
-from jaxrunner.state import init_state
+from jaxrunner.state import init_state, state_specs
 from jaxrunner.step import (
     SampleInputs,
     TokenInputs,
@@ -71,11 +73,13 @@ class Context:
     kernels: Kernels
     dtype: str
     draft_model: ModelConfig | None = None  # speculative decoding with a draft model
+    mesh: Mesh | None = None  # tensor parallelism: the devices the params and the cache are split over
 
     @functools.cached_property
     def params(self) -> dict:
-        """The params' shapes and dtype (every weight is in the runner's dtype)."""
-        return param_structs(self.model, self.dtype)
+        """The params' shapes and dtype (every weight is in the runner's dtype), and shardings."""
+        structs = param_structs(self.model, self.dtype)
+        return structs if self.mesh is None else place(structs, param_specs(self.model), self.mesh)
 
     @functools.cached_property
     def draft_params(self) -> dict:
@@ -93,7 +97,8 @@ class Context:
 
     @functools.cached_property
     def state(self):
-        return jax.eval_shape(functools.partial(init_state, self.model, self.config, self.draft_model))
+        state = jax.eval_shape(functools.partial(init_state, self.model, self.config, self.draft_model))
+        return state if self.mesh is None else place(state, state_specs(state), self.mesh)
 
     @property
     def spec_tokens(self) -> int:
@@ -318,7 +323,9 @@ class Programs:
         the next (Python, under the GIL) overlaps compiling the previous ones: list the slowest
         compiles first."""
         todo = {p.key: p for p in programs if p.key not in self._compiled}
-        cache_keys = {key: self._cache.key(p.kind.jitted, key, p.args, p.statics) for key, p in todo.items()} if self._cache else {}
+        devices = tuple(d.id for d in self.ctx.mesh.devices.flat) if self.ctx.mesh is not None else ()  # a replica's own
+        cache_keys = ({key: self._cache.key(p.kind.jitted, (key, devices), p.args, p.statics) for key, p in todo.items()}
+                      if self._cache else {})
         workers = workers or min(len(todo), os.cpu_count() or 1) or 1
         with ThreadPoolExecutor(workers) as pool:
             if cache_keys:
@@ -337,13 +344,16 @@ class Programs:
                 self._compiled[key] = future.result()
         return len(todo)
 
-    @staticmethod
-    def _lower(program: Program) -> jax.stages.Lowered:
-        return program.kind.jitted.lower(*program.args, **program.statics)
+    def _lower(self, program: Program) -> jax.stages.Lowered:
+        """Under tensor parallelism, on the context's mesh: host arrays are then replicated over it."""
+        if self.ctx.mesh is None:
+            return program.kind.jitted.lower(*program.args, **program.statics)
+        with jax.set_mesh(self.ctx.mesh):
+            return program.kind.jitted.lower(*program.args, **program.statics)
 
     def _compile(self, lowered: jax.stages.Lowered, cache_key: str | None) -> jax.stages.Compiled:
-        exe = lowered.compile()
-        if cache_key:
+        exe, fresh = compile_noting_cache_hits(lowered)
+        if cache_key and fresh:
             self._cache.store(cache_key, exe)
         return exe
 

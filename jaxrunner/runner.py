@@ -14,12 +14,15 @@ With `num_steps` > 1 (all decodes), step 2 runs that many forward + sample round
 With speculative decoding, step 2 verifies each decode's drafts with the rejection sampler and
 proposes the next ones on the device (`step.spec_sample_step`); the number of tokens each request
 keeps comes back with its tokens.
-Each device call is a program of `programs.py`, found by the key of its arguments.
+Each device call is a program of `programs.py`, found by the key of its arguments. With
+`tensor_parallel_size` > 1 the runner lays its params out for the split and places them and its
+state on a mesh (`parallel`); every program then runs split over it, the step unchanged.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -40,8 +43,9 @@ from jaxrunner.input_batch import (
 from jaxrunner.loader import load_model
 from jaxrunner.lora import Adapters
 from jaxrunner.lora_request import LoRARequest
-from jaxrunner.models.llama import Params
+from jaxrunner.models.llama import Params, param_specs
 from jaxrunner.models.lora import init_lora
+from jaxrunner.parallel import check_split, make_mesh, place, shard_layout, sharded_config
 from jaxrunner.pending_output import PendingOutput
 from jaxrunner.programs import (
     DECODE_LOOP,
@@ -105,12 +109,20 @@ class Runner:
         if draft is not None and draft[0].vocab_size != model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft[0].vocab_size} tokens) differs from the target's "
                              f"({model_config.vocab_size}); speculative decoding needs the same tokenizer")
+        tp, replica = config.tensor_parallel_size, config.data_parallel_rank
+        self.mesh = make_mesh(tp, replica) if tp > 1 or replica > 0 else None
+        if tp > 1:  # the params laid out for the split
+            check_split(model_config, tp)
+            params = shard_layout(params, model_config, tp)
+            model_config = sharded_config(model_config, tp)
+        if self.mesh is not None:
+            params = place(params, param_specs(model_config), self.mesh)
         self.model_config = model_config
         self.config = config
         self.params = params
         self.draft_model, self.draft_params = draft if draft is not None else (None, {})
         self.kernels = Kernels.choose(config.kernels)
-        self.ctx = Context(model_config, config, self.kernels, str(params["embed"].dtype), self.draft_model)
+        self.ctx = Context(model_config, config, self.kernels, str(params["embed"].dtype), self.draft_model, self.mesh)
         self.programs = shared_programs(self.ctx)
         self.lora = init_lora(model_config, config.lora, self.ctx.dtype)  # the adapter slots (() without LoRA)
         self.adapters = Adapters(model_config, config.lora)
@@ -128,7 +140,11 @@ class Runner:
         return cls(model_config, params, config)
 
     def init_state(self) -> RunnerState:
-        return init_state(self.model_config, self.config, self.draft_model)
+        """Zeros, made where they live (split over the mesh under tensor parallelism)."""
+        make = functools.partial(init_state, self.model_config, self.config, self.draft_model)
+        if self.mesh is None:
+            return make()
+        return jax.jit(make, out_shardings=jax.tree.map(lambda s: s.sharding, self.ctx.state))()
 
     def check_sampling_params(self, params: SamplingParams, prompt_len: int = 0) -> None:
         """Raise a ValueError for parameters this model or runner rules out (token ids, logprob counts)."""

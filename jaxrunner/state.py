@@ -17,7 +17,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from jaxrunner.config import ModelConfig, RunnerConfig
+from jaxrunner.models.llama import MODEL_AXIS
 from jaxrunner.pytree import pytree_dataclass
 
 
@@ -29,6 +32,14 @@ class RunnerState:
     lens: jax.Array  # i32 [max_num_seqs] (speculative decoding; else [0]): tokens known per row
     draft_kv: tuple  # the draft model's `kv` (else ())
     draft_probs: jax.Array  # f32 [max_num_seqs, k, V]: the drafts' q (draft model; else [0, 0, 0])
+
+
+def state_specs(state: RunnerState) -> RunnerState:
+    """Each field's PartitionSpec under tensor parallelism: the KV pages split by head, the rest
+    replicated."""
+    pages = P(None, None, MODEL_AXIS, None)
+    return RunnerState(P(), P(), tuple((pages, pages) for _ in state.kv), P(),
+                       tuple((pages, pages) for _ in state.draft_kv), P())
 
 
 def kv_cache_bytes(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None = None) -> int:

@@ -28,10 +28,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxrunner.attention import AttentionMetadata, paged_attend
 from jaxrunner.config import Kernels, ModelConfig, SpeculativeConfig
-from jaxrunner.models.llama import Params, compute_logits, forward, slot_mask
+from jaxrunner.models.llama import MODEL_AXIS, Params, compute_logits, forward, slot_mask
 from jaxrunner.models.lora import Lora
 from jaxrunner.ngram import ngram_drafts
 from jaxrunner.pytree import pytree_dataclass
@@ -80,6 +81,15 @@ class SampleInputs:
     sampling: SamplingMetadata
     relative: jax.Array  # bool [B]: sampling.positions is an offset from the row's device length
     num_drafts: jax.Array  # i32 [B]
+
+
+def gathered(logits: jax.Array) -> jax.Array:
+    """The logits whole on every device under tensor parallelism: each device computes its slice of
+    the vocabulary (the LM head is split by it), then the slices are gathered, so the sampler works
+    on full rows and the head's weight never moves."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return logits
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(logits, P(None, MODEL_AXIS)), P())
 
 
 def matmul_precision(params: Params) -> str:
@@ -157,7 +167,7 @@ def sample_step(
     kernels: Kernels, flags: SamplerFlags,
 ) -> tuple[SamplerOutput, RunnerState]:
     with jax.default_matmul_precision(matmul_precision(params)):
-        logits = compute_logits(params, model, last_hidden[: inp.commit_rows.shape[0], 0])
+        logits = gathered(compute_logits(params, model, last_hidden[: inp.commit_rows.shape[0], 0]))
     if flags.penalties or flags.bad_words:
         history = state.token_ids[inp.history_rows]
     else:
@@ -186,7 +196,7 @@ def spec_sample_step(
     b, k = inp.commit_rows.shape[0], spec.num_speculative_tokens
     k1, num_rows = 1 + k, state.token_ids.shape[0]
     with jax.default_matmul_precision(matmul_precision(params)):
-        logits = compute_logits(params, model, last_hidden[:b].reshape(b * k1, -1)).astype(jnp.float32)
+        logits = gathered(compute_logits(params, model, last_hidden[:b].reshape(b * k1, -1))).astype(jnp.float32)
     slots = jnp.minimum(inp.history_rows, num_rows - 1)
     base = jnp.where(inp.relative, state.lens[slots] + inp.sampling.positions, inp.sampling.positions)
     positions = base[:, None] + jnp.arange(k1)[None, :]  # [B, 1 + k]
@@ -354,5 +364,5 @@ def prompt_logprobs_step(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Logprobs of `targets` (and the top `num_top`) from the logits at hidden[rows]; raw logits, as vLLM."""
     with jax.default_matmul_precision(matmul_precision(params)):
-        logits = compute_logits(params, model, hidden[rows])
+        logits = gathered(compute_logits(params, model, hidden[rows]))
     return compute_logprobs(logits, targets, num_top, as_logits)

@@ -8,7 +8,8 @@ clears those caches (executables of live runners stay: their `Programs` hold the
 
 Off a GPU, XLA:CPU compiles with LLVM's optimizations off: most of the suite's time goes to
 compiling, which this shortens more than it slows the runs (the checks, Hugging Face goldens
-included, hold at either level).
+included, hold at either level). It also shows four CPU devices, for the tensor-parallel tests;
+everything else runs on the first.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import os
 import shutil
 import tempfile
 
-if shutil.which("nvidia-smi") is None:
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+if shutil.which("nvidia-smi") is None:  # four CPU devices: the tensor-parallel tests split over them
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0",
+                                                     "--xla_force_host_platform_device_count=4"]))
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest
@@ -42,3 +44,18 @@ def _free_executables():
             if sum(1 for _ in f) > MAX_MAPS:
                 gc.collect()
                 jax.clear_caches()
+
+
+@pytest.fixture
+def fresh_jax_cache():
+    """JAX's persistent compilation cache as a fresh process finds it: off until a runner names its
+    directory (then initialized there anew). Program-cache tests use it, so that executables JAX
+    stored for other tests (never stored by the program cache) cannot stand in for their compiles."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    old = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_compilation_cache_dir", old)
+    compilation_cache.reset_cache()

@@ -197,8 +197,8 @@ def test_params_the_runner_refuses_raise_before_anything_runs(llm, monkeypatch):
 
 
 def test_unknown_engine_argument():
-    with pytest.raises(TypeError, match="tensor_parallel_size"):
-        LLM(tensor_parallel_size=2)
+    with pytest.raises(TypeError, match="pipeline_parallel_size"):
+        LLM(pipeline_parallel_size=2)
 
 
 def test_tiny_checkpoint_matches_hf_greedy():

@@ -85,7 +85,7 @@ def _runner_and_programs() -> tuple[Runner, list]:
     return runner, runner.programs.warmup_programs()
 
 
-def test_program_cache_loads_every_program_without_lowering_and_runs_the_same(tmp_path):
+def test_program_cache_loads_every_program_without_lowering_and_runs_the_same(tmp_path, fresh_jax_cache):
     runner, programs = _runner_and_programs()
     stored = Programs(runner.ctx, ProgramCache(tmp_path))
     stored.compile_all(programs)
@@ -118,7 +118,7 @@ def test_program_cache_keys_are_the_same_in_another_process(tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == keys and len(set(keys)) == len(keys)
 
 
-def test_a_cached_program_that_does_not_load_is_compiled_again_and_rewritten(tmp_path, caplog):
+def test_a_cached_program_that_does_not_load_is_compiled_again_and_rewritten(tmp_path, fresh_jax_cache, caplog):
     runner, programs = _runner_and_programs()
     program = programs[-1]
     Programs(runner.ctx, ProgramCache(tmp_path)).compile_all([program])

@@ -80,6 +80,7 @@ def run(
     peer: bool = True,
     speculative_config: dict | None = None,
     oracle: int = 0,
+    tensor_parallel_size: int = 1,
 ) -> dict:
     """One warm-up generation (every graph compiled), then `iters` timed ones, each with a fresh
     random prompt; the peer runs first, in its own process, on the same prompts."""
@@ -94,6 +95,8 @@ def run(
                 async_scheduling=async_scheduling, seed=seed)
     if speculative_config:
         args.update(speculative_config=speculative_config, oracle=oracle)
+    if tensor_parallel_size > 1:
+        args.update(tensor_parallel_size=tensor_parallel_size)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, model.vocab_size, prompt).tolist() for _ in range(iters + 1)]
@@ -113,6 +116,7 @@ def run(
         async_scheduling=async_scheduling,
         seed=seed,
         speculative_config=speculative_config,
+        tensor_parallel_size=tensor_parallel_size,
     )
     engine = llm.llm_engine
     bar = tqdm(prompts, desc="W1 latency (warm-up + runs)")

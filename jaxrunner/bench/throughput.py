@@ -43,6 +43,8 @@ def run(
     speculative_config: dict | None = None,
     num_loras: int = 0,
     lora_rank: int = 16,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
 ) -> dict:
     """A short warm-up generation (a few requests, prompts of their own so the prefix cache cannot
     serve the timed ones), then one timed `generate` of all the requests; the peer runs first, in
@@ -58,6 +60,8 @@ def run(
         args.update(speculative_config=speculative_config)
     if num_loras:
         args.update(num_loras=num_loras, lora_rank=lora_rank)
+    if tensor_parallel_size > 1 or data_parallel_size > 1:
+        args.update(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_prompt, max_prompt + 1, num_prompts)
@@ -77,6 +81,8 @@ def run(
         async_scheduling=async_scheduling,
         seed=seed,
         speculative_config=speculative_config,
+        tensor_parallel_size=tensor_parallel_size,
+        data_parallel_size=data_parallel_size,
         **lora_args,
     )
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)

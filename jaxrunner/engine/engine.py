@@ -292,6 +292,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._ready or self._compiling) or self.scheduler.has_unfinished_requests()
 
+    def num_unfinished_requests(self) -> int:
+        """Requests added and not yet finished (with an output still to return)."""
+        return len(self._parents)
+
     def step(self) -> list[RequestOutput]:
         """Dispatch one scheduled batch, then take the output of the batch before it (async
         scheduling: the device runs this step while the host works on the last one's tokens), or of

@@ -26,6 +26,7 @@ from jaxrunner.loader import Checkpoint, open_checkpoint
 from jaxrunner.models.llama import Params, init_params
 from jaxrunner.models.lora import lora_bytes
 from jaxrunner.models.shapes import shape
+from jaxrunner.parallel import sharded_config
 from jaxrunner.runner import Runner
 from jaxrunner.state import kv_cache_bytes
 
@@ -58,7 +59,9 @@ class EngineArgs:
     "prompt_lookup_min": 2} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}
     (`config.SpeculativeConfig`). `enable_lora`: serve LoRA adapters (`LoRARequest`), up to `max_loras`
     in one batch, of rank up to `max_lora_rank`; `max_cpu_loras` adapters stay parsed on the host
-    (default `max_loras`)."""
+    (default `max_loras`). `tensor_parallel_size`: devices the model is split over (Megatron style,
+    `jaxrunner.parallel`); `data_parallel_size`: replicas of it, each on devices of its own
+    (`engine.data_parallel`; `data_parallel_rank` is the replica an engine is)."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -81,6 +84,9 @@ class EngineArgs:
     max_bad_word_len: int = SamplerConfig.max_bad_word_len
     kernels: str = "auto"
     speculative_config: dict | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -90,9 +96,18 @@ class EngineArgs:
         where = "EngineArgs"
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
             check_int(where, name, getattr(self, name), 1, optional=True)
-        for name in ("block_size", "num_scheduler_steps", "max_bad_word_len"):
+        for name in ("block_size", "num_scheduler_steps", "max_bad_word_len", "tensor_parallel_size",
+                     "data_parallel_size"):
             check_int(where, name, getattr(self, name), 1)
         check_int(where, "seed", self.seed)
+        check_int(where, "data_parallel_rank", self.data_parallel_rank, 0)
+        if self.data_parallel_rank >= self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank={self.data_parallel_rank} must be below data_parallel_size="
+                             f"{self.data_parallel_size}")
+        split = self.tensor_parallel_size > 1 or self.data_parallel_size > 1
+        if split and (self.enable_lora or self.speculative_config and self.speculative_config.get("method") == "draft_model"):
+            raise ValueError("tensor and data parallelism do not combine with LoRA or a draft model yet; "
+                             "use tensor_parallel_size=1 and data_parallel_size=1 for them")
         check_int(where, "max_logprobs", self.max_logprobs)
         for name in ("skip_tokenizer_init", "enable_prefix_caching", "async_scheduling", "enable_lora"):
             check_bool(where, name, getattr(self, name))
@@ -172,6 +187,8 @@ def runner_config(
         sampler=args.sampler_config(),
         speculative=args.speculative(),
         lora=args.lora_config(),
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_rank=args.data_parallel_rank,
         kernels=args.kernels,
         compilation_cache_dir=os.path.join(cache_dir(), "xla"),
     )
@@ -205,8 +222,10 @@ def _num_blocks(
     (already loaded) and the largest step's activations (measured from its compiled executables)
     are set aside. On CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but
     always room for one sequence at full length)."""
-    stats = jax.devices()[0].memory_stats() if platform.on_gpu() else None
-    per_block = kv_cache_bytes(model, dataclasses.replace(cfg, num_blocks=1), draft[0] if draft else None)
+    tp = cfg.tensor_parallel_size  # each device holds 1 / tp of every block
+    stats = jax.devices()[cfg.data_parallel_rank * tp].memory_stats() if platform.on_gpu() else None  # its first
+    cache_model = sharded_config(model, tp) if tp > 1 else model
+    per_block = kv_cache_bytes(cache_model, dataclasses.replace(cfg, num_blocks=1), draft[0] if draft else None) // tp
     if not stats:
         return max(cfg.max_blocks_per_req, min(cfg.max_num_seqs * cfg.max_blocks_per_req, CPU_KV_CACHE_BYTES // per_block))
     activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1), draft).peak_step_bytes()

@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from jaxrunner.checks import all_ints
 from jaxrunner.engine.chat import Conversation, render_chat
-from jaxrunner.engine.engine import LLMEngine, Prompt
+from jaxrunner.engine.data_parallel import make_engine
+from jaxrunner.engine.engine import Prompt
 from jaxrunner.engine.engine_args import EngineArgs
 from jaxrunner.engine.outputs import RequestOutput
 from jaxrunner.lora_request import LoRARequest
@@ -33,7 +34,7 @@ class LLM:
     closed at interpreter exit."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args))
+        self.llm_engine = make_engine(EngineArgs.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
         # Outputs by request id, for the requests a generate or generate_stream call is consuming:
         # each call takes its own, so calls interleaved from one thread never lose each other's.

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import ModelConfig
 
@@ -58,6 +59,28 @@ def param_shapes(cfg: ModelConfig) -> dict:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (h, cfg.vocab_size)
     return shapes
+
+
+MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits over
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """Each tensor's PartitionSpec over MODEL_AXIS, keyed like `param_shapes` (Megatron's split):
+    q|k|v and gate|up column-parallel (each shard's columns side by side: `ModelConfig.shards`), o
+    and down row-parallel (their matmuls end in an all-reduce), the embedding and the LM head split
+    over the vocabulary, norms replicated."""
+    column, row, replicated = P(None, MODEL_AXIS), P(MODEL_AXIS, None), P()
+    layer = {"attn_norm": replicated, "wqkv": column, "wo": row, "mlp_norm": replicated, "w_gate_up": column,
+             "w_down": row}
+    if cfg.qkv_bias:
+        layer["bqkv"] = P(MODEL_AXIS)
+    if cfg.qk_norm:
+        layer |= {"q_norm": replicated, "k_norm": replicated}
+    specs = {"embed": P(MODEL_AXIS, None), "layers": tuple(dict(layer) for _ in range(cfg.num_layers)),
+             "final_norm": replicated}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = column
+    return specs
 
 
 def param_structs(cfg: ModelConfig, dtype: str, sharding: jax.sharding.Sharding | None = None):
@@ -184,7 +207,7 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
         out = h @ p[name]
         return out + lora_delta(h, lora[name], lora_mask) if lora else out
 
-    t = x.shape[0]
+    t, s = x.shape[0], cfg.shards
     d, eps = cfg.head_dim, cfg.rms_norm_eps
     q_width, kv_width, _ = fused_parts(cfg)["wqkv"]
     inv_freq = rope_inv_freq(cfg)
@@ -192,7 +215,7 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
     qkv = project(h, "wqkv")
     if cfg.qkv_bias:
         qkv = qkv + p["bqkv"]
-    q, k, v = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
+    q, k, v = jnp.split(qkv.reshape(t, s, -1), [q_width // s, (q_width + kv_width) // s], axis=-1)
     q = q.reshape(t, cfg.num_heads, d)
     k = k.reshape(t, cfg.num_kv_heads, d)
     v = v.reshape(t, cfg.num_kv_heads, d)
@@ -202,7 +225,8 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
     o, kv = attend(q, k, v, kv)
     x = x + project(o.reshape(t, cfg.num_heads * d), "wo")
     h = rms_norm(x, p["mlp_norm"], eps)
-    gate, up = jnp.split(project(h, "w_gate_up"), 2, axis=-1)
+    gate_up = project(h, "w_gate_up").reshape(t, s, 2, -1)
+    gate, up = gate_up[:, :, 0].reshape(t, -1), gate_up[:, :, 1].reshape(t, -1)
     return x + project(jax.nn.silu(gate) * up, "w_down"), kv
 
 

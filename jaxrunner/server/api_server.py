@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from jaxrunner.engine.default_model import TINY_MODEL
-from jaxrunner.engine.engine import LLMEngine
+from jaxrunner.engine.data_parallel import make_engine
 from jaxrunner.engine.engine_args import EngineArgs
 from jaxrunner.engine.model_files import DEFAULT_MODEL, default_gguf
 from jaxrunner.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -58,7 +58,7 @@ def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, served_mo
     import uvicorn
 
     name = served_model_name or args.model or (DEFAULT_MODEL if default_gguf() is not None else TINY_MODEL)
-    engine = LLMEngine(args)
+    engine = make_engine(args)
     loras = [LoRARequest(lora, i, path) for i, (lora, path) in enumerate((lora_modules or {}).items(), 1)]
     for lora in loras:
         engine.add_lora(lora)

@@ -1,0 +1,93 @@
+"""Tensor parallelism: the mesh, what a model must divide by, and its params laid out for the split.
+
+A runner with `tensor_parallel_size` t > 1 (or a data-parallel replica past the first) runs every
+program on a mesh of t devices (axes "data" x `MODEL_AXIS`, 1 x t) under `jax.set_mesh`: the params and the KV cache are placed by the
+PartitionSpecs declared beside their shapes (`llama.param_specs`, `state.state_specs`), and XLA's
+partitioner inserts the collectives (an all-reduce after o and after down in every layer). The
+attention kernels run per device through `shard_map`, each device on its own heads.
+
+Each shard must hold whole heads: q|k|v's columns are laid out shard by shard, each shard its q
+heads then their k and v heads (`shard_layout`), and gate|up likewise. With fewer KV heads than
+shards, each KV head is repeated so every shard holds the one its q heads read (the model then has
+t KV heads, t / num_kv_heads copies of each; the cache is that much larger, as in vLLM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrunner.config import ModelConfig
+from jaxrunner.models.llama import MODEL_AXIS, Params
+
+
+def make_mesh(tp: int, replica: int = 0) -> Mesh:
+    """The mesh of data-parallel replica `replica`: devices [replica * tp, (replica + 1) * tp)."""
+    devices = jax.devices()
+    if (replica + 1) * tp > len(devices):
+        need = f"tensor_parallel_size={tp}" if replica == 0 else f"replica {replica} of tensor_parallel_size={tp}"
+        raise ValueError(f"{need} needs {(replica + 1) * tp} devices, but {len(devices)} "
+                         f"{devices[0].platform.upper()} device(s) exist; lower tensor_parallel_size or "
+                         "data_parallel_size")
+    return Mesh(np.array(devices[replica * tp : (replica + 1) * tp]).reshape(1, tp), ("data", MODEL_AXIS))
+
+
+def check_split(model: ModelConfig, tp: int) -> None:
+    """One ValueError naming every size of the model that `tp` shards cannot split."""
+    problems = []
+    for name, size in (("num_attention_heads", model.num_heads), ("intermediate_size", model.intermediate_size),
+                       ("vocab_size", model.vocab_size)):
+        if size % tp:
+            problems.append(f"{name}={size}")
+    kv = model.num_kv_heads
+    if (kv % tp if kv >= tp else tp % kv):
+        problems.append(f"num_key_value_heads={kv} (neither a multiple nor a divisor of {tp})")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {', '.join(problems)}; "
+                         "choose a tensor_parallel_size that divides them")
+
+
+def sharded_config(model: ModelConfig, tp: int) -> ModelConfig:
+    """The model as the shards run it: at least one KV head per shard, the fused tensors shard by shard."""
+    return dataclasses.replace(model, num_kv_heads=max(model.num_kv_heads, tp), shards=tp)
+
+
+def shard_layout(params: Params, model: ModelConfig, tp: int) -> Params:
+    """`params` (the checkpoint's layout, `model`'s heads) laid out for `sharded_config(model, tp)`."""
+    d, heads, kv = model.head_dim, model.num_heads, model.num_kv_heads
+    repeat = max(tp // kv, 1)
+
+    def by_shard(*parts: jax.Array) -> jax.Array:
+        """Parts [..., width_i], each split in tp along its last axis, regrouped shard by shard."""
+        lead = parts[0].shape[:-1]
+        split = [p.reshape(*lead, tp, p.shape[-1] // tp) for p in parts]
+        return jnp.concatenate(split, axis=-1).reshape(*lead, -1)
+
+    def qkv(w: jax.Array) -> jax.Array:
+        q, k, v = jnp.split(w, [heads * d, (heads + kv) * d], axis=-1)
+        if repeat > 1:  # each KV head copied for the shards whose q heads read it
+            k, v = (jnp.repeat(x.reshape(*x.shape[:-1], kv, d), repeat, axis=-2).reshape(*x.shape[:-1], -1) for x in (k, v))
+        return by_shard(q, k, v)
+
+    def layer(p: dict) -> dict:
+        out = dict(p, wqkv=qkv(p["wqkv"]), w_gate_up=by_shard(*jnp.split(p["w_gate_up"], 2, axis=-1)))
+        if "bqkv" in p:
+            out["bqkv"] = qkv(p["bqkv"])
+        return out
+
+    return dict(params, layers=tuple(layer(p) for p in params["layers"]))
+
+
+def place(tree, specs, mesh: Mesh):
+    """Arrays (or ShapeDtypeStructs) of `tree` on `mesh` by the PartitionSpecs of `specs`."""
+    def put(x, spec):
+        sharding = NamedSharding(mesh, spec)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(put, tree, specs)
