@@ -10,9 +10,11 @@ projections (q|k|v, o, gate|up, down) of a `--tokens`-row bf16 activation, base 
   fused        the shrink's A stored beside the base weight (one matmul gives both), then the
                block-diagonal expand
   ragged       tokens sorted by slot, shrink and expand as grouped matmuls (`jax.lax.ragged_dot`)
+  pallas       the block-diagonal layout through the Pallas shrink and expand kernels
+               (`pallas_kernels.lora`), which skip the slots a block of tokens does not use
 Prints the median wall time per call (a step is one call: launches count) and the extra over base.
 
-    PYTHONPATH=$PWD python3 -P benchmarks/lora.py [--tokens 256] [--loras 4] [--rank 16]
+    PYTHONPATH=$PWD python3 -P benchmarks/lora.py [--tokens 256] [--loras 4] [--rank 16] [--run-length 1]
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import numpy as np
 
 from jaxrunner.models.lora import projection_parts
 from jaxrunner.models.shapes import SHAPES, shape
+from pallas_kernels.lora import lora_delta
 
-FORMS = ("base", "masked", "blockdiag", "fused", "ragged")
+FORMS = ("base", "masked", "blockdiag", "fused", "ragged", "pallas")
 
 
 def make_layer(key: jax.Array, parts: dict, n: int, r: int) -> dict:
@@ -56,10 +59,15 @@ def make_layer(key: jax.Array, parts: dict, n: int, r: int) -> dict:
     return layer
 
 
-def project(form: str, x: jax.Array, p: dict, mask: jax.Array, order: jax.Array, sizes: jax.Array) -> jax.Array:
+def project(form: str, x: jax.Array, p: dict, mask: jax.Array, order: jax.Array, sizes: jax.Array,
+            slots: jax.Array) -> jax.Array:
     t, n = x.shape[0], mask.shape[1]
     if form == "base":
         return x @ p["w"]
+    if form == "pallas":
+        widths = tuple(b.shape[1] for b in p["b"])
+        return x @ p["w"] + lora_delta(x, p["a"], p["bd"], slots, num_slots=n, part_widths=widths,
+                                          interpret=jax.default_backend() == "cpu")
     if form == "fused":
         out = p["w"].shape[1]
         both = x @ p["wa"]
@@ -84,16 +92,20 @@ def main() -> None:
     parser.add_argument("--loras", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--run-length", type=int, default=1,
+                        help="tokens in a row that share a slot: 1 as in decode (W2's request i runs adapter i mod 4), "
+                             "a chunk's length as in prefill")
     args = parser.parse_args()
     cfg = shape(args.shape)
     parts = projection_parts(cfg)
     key = jax.random.key(0)
     layers = [make_layer(jax.random.fold_in(key, i), parts, args.loras, args.rank) for i in range(cfg.num_layers)]
     results = {"device": jax.devices()[0].device_kind, "shape": args.shape, "loras": args.loras, "rank": args.rank,
+               "run_length": args.run_length,
                "layers": cfg.num_layers, "ms_per_step": {}}
     for t in args.tokens:
         rng = np.random.default_rng(t)
-        slots = rng.integers(0, args.loras + 1, t).astype(np.int32)
+        slots = np.repeat(rng.integers(0, args.loras + 1, -(-t // args.run_length)), args.run_length)[:t].astype(np.int32)
         order = np.argsort(slots, kind="stable").astype(np.int32)
         sizes = np.bincount(slots, minlength=args.loras + 1).astype(np.int32)
         mask = jnp.asarray(slots[:, None] == np.arange(1, args.loras + 1)[None, :], jnp.bfloat16)
@@ -101,15 +113,15 @@ def main() -> None:
         row, values = {}, {}
         for form in FORMS:
             @jax.jit
-            def step(layers, xs, mask, order, sizes, form=form):
-                return sum(project(form, xs[parts[name][0]], layer[name], mask, order, sizes).astype(jnp.float32).sum()
-                           for layer in layers for name in parts)
+            def step(layers, xs, mask, order, sizes, slots, form=form):
+                return sum(project(form, xs[parts[name][0]], layer[name], mask, order, sizes, slots)
+                           .astype(jnp.float32).sum() for layer in layers for name in parts)
 
-            values[form] = float(step(layers, xs, mask, order, sizes))
+            values[form] = float(step(layers, xs, mask, order, sizes, slots))
             times = []
             for _ in range(args.reps):
                 start = time.perf_counter()
-                jax.block_until_ready(step(layers, xs, mask, order, sizes))
+                jax.block_until_ready(step(layers, xs, mask, order, sizes, slots))
                 times.append(time.perf_counter() - start)
             row[form] = 1e3 * float(np.median(times))
         for form in FORMS[2:]:  # the forms compute the same step (bf16 sums of the outputs)
@@ -119,7 +131,7 @@ def main() -> None:
         print(f"{t} tokens: " + ", ".join(f"{f} {ms:.3f} ms" + (f" (+{ms - row['base']:.3f})" if f != "base" else "")
                                           for f, ms in row.items()))
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "lora_forms.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"lora_forms_run{args.run_length}.json"), "w") as f:
             json.dump(results, f, indent=1)
 
 

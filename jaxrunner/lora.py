@@ -44,13 +44,7 @@ class Adapter:
     zero-padded to R = max_lora_rank with the scaling in b; projections it does not target are zero."""
 
     request: LoRARequest
-    rank: int
     parts: dict[tuple[int, str, int], tuple[np.ndarray, np.ndarray]]
-
-    @property
-    def targets(self) -> list[str]:
-        return sorted({module for module, (name, part) in MODULES.items()
-                       if any(k[1:] == (name, part) for k in self.parts)})
 
     def slot_tensors(self, model: ModelConfig, max_rank: int, dtype) -> tuple:
         """One slot's tensors for `models.lora.write_slot` (b block diagonal over the parts)."""
@@ -144,7 +138,7 @@ def read_adapter(request: LoRARequest, model: ModelConfig, lora: LoraConfig) -> 
         a[:, :rank] = np.asarray(files.read(names["A"]), np.float32).T
         b[:rank] = np.asarray(files.read(names["B"]), np.float32).T * scaling
         parts[layer, name, part] = (a, b)
-    return Adapter(request, rank, parts)
+    return Adapter(request, parts)
 
 
 class Adapters:
