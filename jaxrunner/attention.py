@@ -45,25 +45,28 @@ class PagedAttention:
 
     md: AttentionMetadata
     sm_scale: float = static_field()
-    sliding_window: int | None = static_field()
     soft_cap: float | None = static_field()
     kernels: Kernels = static_field()
     uniform_decode: bool = static_field()
     queries_per_seq: int = static_field()  # of the decode form: 1, or 1 + k with speculative decoding
 
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple) -> tuple[jax.Array, tuple]:
-        """(out [T, Hq, D], the layer's (k, v) pages) for this step's q, k, v and the layer's pages.
-        Under tensor parallelism (a mesh with MODEL_AXIS set) each device runs it on its own heads."""
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple,
+                 window: int | None) -> tuple[jax.Array, tuple]:
+        """(out [T, Hq, D], the layer's (k, v) pages) for this step's q, k, v and the layer's pages,
+        each query seeing the last `window` keys (None: all). Under tensor parallelism (a mesh with
+        MODEL_AXIS set) each device runs it on its own heads."""
+        attend = functools.partial(self._attend, window=window)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.shape.get(MODEL_AXIS, 1) == 1:
-            return self._attend(q, k, v, kv, self.md)
+            return attend(q, k, v, kv, self.md)
         heads, pages = P(None, MODEL_AXIS, None), P(None, None, MODEL_AXIS, None)
-        return jax.shard_map(self._attend, in_specs=(heads, heads, heads, (pages, pages), P()),
+        return jax.shard_map(attend, in_specs=(heads, heads, heads, (pages, pages), P()),
                              out_specs=(heads, (pages, pages)), check_vma=False)(q, k, v, kv, self.md)
 
-    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, md: AttentionMetadata) -> tuple[jax.Array, tuple]:
+    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, md: AttentionMetadata, *,
+                window: int | None) -> tuple[jax.Array, tuple]:
         kernels = self.kernels
-        options = dict(sm_scale=self.sm_scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap)
+        options = dict(sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.soft_cap)
         if not kernels.pallas:
             k_cache, v_cache = write_kv(*kv, k, v, md.slot_mapping, impl="xla")
             attention = functools.partial(reference_ragged_paged_attention, **options)
@@ -82,5 +85,5 @@ def paged_attend(
     model: ModelConfig, md: AttentionMetadata, kernels: Kernels, *, uniform_decode: bool = False, queries_per_seq: int = 1
 ) -> PagedAttention:
     """The model's paged attention over the batch `md` describes."""
-    return PagedAttention(md, model.head_dim**-0.5, model.sliding_window, model.attn_soft_cap, kernels, uniform_decode,
-                          queries_per_seq)
+    scale = (model.query_pre_attn_scalar or model.head_dim) ** -0.5
+    return PagedAttention(md, scale, model.attn_soft_cap, kernels, uniform_decode, queries_per_seq)

@@ -20,7 +20,11 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,15 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # Per layer "full_attention" or "sliding_attention" (Gemma); () when every layer is alike, all of
+    # them then sliding if sliding_window is set (Mistral).
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None  # the sliding layers' own RoPE base (Gemma 3)
+    rope_linear_factor: float = 1.0  # "linear" RoPE: positions divided by it (Gemma 3's global layers)
     attn_soft_cap: float | None = None  # attention scores capped to soft_cap * tanh(s / soft_cap) (Gemma 2)
+    final_soft_cap: float | None = None  # the same for the logits (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # the scores scale by its -1/2 power, not head_dim's (Gemma)
+    hidden_act: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Tensor parallelism (set by the runner): the fused tensors hold, side by side, this many shards,
@@ -64,6 +76,25 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.layer_types and (len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES)):
+            raise ValueError(f"layer_types must name {self.num_layers} layers, each one of {', '.join(LAYER_TYPES)}; "
+                             f"got {list(self.layer_types)}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's decoder: norms that scale by 1 + weight, a norm after attention and after the MLP
+        as well as before, the embedding scaled by sqrt(hidden_size)."""
+        return self.architecture.startswith("Gemma")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer's attention, None for full attention."""
+        if self.layer_types and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike) -> ModelConfig:
@@ -96,9 +127,14 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         rope = dict(getattr(hf, "rope_parameters", None) or {})
+        local_rope = None
+        if set(rope) <= set(LAYER_TYPES) and rope:  # one set of parameters per layer type (Gemma 3)
+            rope, local_rope = dict(rope.get("full_attention", {})), rope.get("sliding_attention")
+            if local_rope is not None and local_rope.get("rope_type", "default") != "default":
+                raise ValueError(f"unsupported rope_type {local_rope['rope_type']!r} for sliding layers; supported: 'default'")
         rope_type = rope.get("rope_type", "default")
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'llama3'")
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'llama3', 'linear'")
         scaling = None
         if rope_type == "llama3":
             scaling = RopeScaling(
@@ -112,6 +148,9 @@ class ModelConfig:
         window = getattr(hf, "sliding_window", None)
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(hf, "use_sliding_window", False):
             window = None  # Qwen configs carry a window size even when sliding attention is off
+        layer_types = tuple(getattr(hf, "layer_types", None) or ()) if window is not None else ()
+        if layer_types and "full_attention" not in layer_types:
+            layer_types = ()  # every layer slides: the Mistral case
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         return cls(
@@ -126,12 +165,18 @@ class ModelConfig:
             rms_norm_eps=float(hf.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
+            rope_linear_factor=float(rope["factor"]) if rope_type == "linear" else 1.0,
+            local_rope_theta=None if local_rope is None else float(local_rope.get("rope_theta", 10000.0)),
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=window,
+            layer_types=layer_types,
             attn_soft_cap=getattr(hf, "attn_logit_softcapping", None),
+            final_soft_cap=getattr(hf, "final_logit_softcapping", None),
+            query_pre_attn_scalar=getattr(hf, "query_pre_attn_scalar", None),
+            hidden_act=getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"),
             bos_token_id=hf.bos_token_id,
             eos_token_ids=eos_ids,
         )

@@ -35,6 +35,12 @@ _LAYER_NAMES = {
     "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
     "w_down": (("mlp.down_proj.weight",), True),
 }
+# Gemma's post_attention_layernorm follows attention; its MLP's own norm comes before it, and one after.
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "mlp_norm": (("pre_feedforward_layernorm.weight",), False),
+    "post_attn_norm": (("post_attention_layernorm.weight",), False),
+    "post_mlp_norm": (("post_feedforward_layernorm.weight",), False),
+}
 _TOP_NAMES = {
     "embed": (("model.embed_tokens.weight",), False),
     "final_norm": (("model.norm.weight",), False),
@@ -122,6 +128,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint | SavedParams:
         tensors = SafetensorsFiles(_safetensors_files(path))
 
     shapes, fused = param_shapes(config), fused_parts(config)
+    layer_names = _GEMMA_LAYER_NAMES if config.gemma else _LAYER_NAMES
 
     def parts(table: dict, name: str, shape: tuple, prefix: str = "") -> list[Part]:
         hf_names, transposed = table[name]
@@ -131,7 +138,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint | SavedParams:
     wanted = {name: parts(_TOP_NAMES, name, shape) for name, shape in shapes.items() if name != "layers"}
     for i, layer in enumerate(shapes["layers"]):
         for name, shape in layer.items():
-            wanted[(i, name)] = parts(_LAYER_NAMES, name, shape, f"model.layers.{i}.")
+            wanted[(i, name)] = parts(layer_names, name, shape, f"model.layers.{i}.")
     missing = [p.name for ps in wanted.values() for p in ps if p.name not in tensors.tensors]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors the config needs: {', '.join(missing[:8])}")

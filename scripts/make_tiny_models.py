@@ -109,6 +109,48 @@ MODELS: dict[str, tuple[type, type, dict[str, Any], int, dict[str, Any]]] = {
         0,
         {},
     ),
+    "tiny-gemma2": (
+        transformers.Gemma2ForCausalLM,
+        transformers.Gemma2Config,
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 96,
+            "tie_word_embeddings": True,
+            "hidden_activation": "gelu_pytorch_tanh",
+            # Layer 0 slides over 16 keys, layer 1 sees all; the queries' scale is not head_dim's.
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            # Caps low enough to bend the scores and logits these weights give.
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 10.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        0,
+        {},
+    ),
+    "tiny-gemma3": (
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig,
+        {
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "intermediate_size": 64,
+            "tie_word_embeddings": True,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 32,
+            # Local and global layers rotate with their own bases; the global one is scaled linearly.
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+            },
+        },
+        0,
+        {},
+    ),
 }
 
 
@@ -123,7 +165,7 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(noise * WEIGHT_STD)
             elif name.endswith(".bias"):
                 param.copy_(noise * BIAS_STD)
-            else:  # RMSNorm weights (layer norms, final norm, qwen3 q/k norms)
+            else:  # RMSNorm weights (layer norms, final norm, q/k norms; Gemma's scale by 1 + weight)
                 param.copy_(1.0 + noise * NORM_STD)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -26,6 +27,29 @@ def test_configs_of_each_family():
     assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.hidden_size // qwen3.num_heads == 16
     mistral = ModelConfig.from_hf(MODELS / "tiny-mistral")
     assert mistral.sliding_window == 16 and mistral.eos_token_ids == (2,)
+    assert mistral.layer_types == () and mistral.layer_window(1) == 16 and not mistral.gemma
+    gemma2 = ModelConfig.from_hf(MODELS / "tiny-gemma2")
+    assert gemma2.gemma and (gemma2.attn_soft_cap, gemma2.final_soft_cap, gemma2.query_pre_attn_scalar) == (5.0, 10.0, 24)
+    assert [gemma2.layer_window(i) for i in range(2)] == [16, None] and gemma2.hidden_act == "gelu_pytorch_tanh"
+    gemma3 = ModelConfig.from_hf(MODELS / "tiny-gemma3")
+    assert gemma3.qk_norm and gemma3.final_soft_cap is None
+    assert (gemma3.rope_theta, gemma3.local_rope_theta, gemma3.rope_linear_factor) == (1e6, 1e4, 4.0)
+
+
+def test_bad_gemma_configs_are_refused(tmp_path):
+    path = copy_of(tmp_path, "tiny-gemma3")
+    config = json.loads((path / "config.json").read_text())
+    gemma3 = ModelConfig.from_hf(path)
+    with pytest.raises(ValueError, match="layer_types must name 2 layers"):
+        dataclasses.replace(gemma3, layer_types=("sliding_attention",))
+    with pytest.raises(ValueError, match="sliding_window is not set"):
+        dataclasses.replace(gemma3, sliding_window=None)
+    for edit, error in [({"hidden_activation": "relu"}, "unsupported hidden activation 'relu'"),
+                        ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
+                         "unsupported rope_type 'yarn'")]:
+        (path / "config.json").write_text(json.dumps(config | edit))
+        with pytest.raises(ValueError, match=error):
+            ModelConfig.from_hf(path)
 
 
 def test_loads_in_the_requested_dtype():

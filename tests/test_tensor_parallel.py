@@ -39,11 +39,12 @@ def collectives(text: str) -> dict[str, int]:
                                                                               "collective-permute", "reduce-scatter")}
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_greedy_tokens_equal_tp1(name, tp):
     """tiny-llama has 2 KV heads (repeated at TP 4), tiny-qwen2 one (q/k/v biases), tiny-qwen3 q/k
-    norms and a tied head; chunked prefill and staggered arrivals as elsewhere."""
+    norms and a tied head, tiny-gemma3 one KV head, Gemma's extra norms and a sliding and a global
+    layer; chunked prefill and staggered arrivals as elsewhere."""
     cfg, params = load_model(DATA / "models" / name, "float32")
     runner = Runner(cfg, params, RunnerConfig(**CONFIG, tensor_parallel_size=tp))
     prompts, want = goldens(name)

@@ -1,4 +1,7 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) as pure functions over a params pytree.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) and Gemma 2/3 as pure functions over a
+params pytree. Gemma is this decoder with its options (`ModelConfig.gemma`): norms that scale by
+1 + weight and a second norm after attention and after the MLP, a scaled embedding, GeGLU, soft-caps,
+local and global layers with their own windows and RoPE bases.
 
 Params are plain dicts, every matrix stored [in, out]. Layers are a tuple of per-layer dicts and
 the forward pass unrolls them in Python: XLA then sees one array per layer and never copies a
@@ -51,6 +54,8 @@ def param_shapes(cfg: ModelConfig) -> dict:
         layer["bqkv"] = (fused["bqkv"],)
     if cfg.qk_norm:
         layer |= {"q_norm": (d,), "k_norm": (d,)}
+    if cfg.gemma:
+        layer |= {"post_attn_norm": (h,), "post_mlp_norm": (h,)}
     shapes = {
         "embed": (cfg.vocab_size, h),
         "layers": tuple(dict(layer) for _ in range(cfg.num_layers)),
@@ -76,6 +81,8 @@ def param_specs(cfg: ModelConfig) -> dict:
         layer["bqkv"] = P(MODEL_AXIS)
     if cfg.qk_norm:
         layer |= {"q_norm": replicated, "k_norm": replicated}
+    if cfg.gemma:
+        layer |= {"post_attn_norm": replicated, "post_mlp_norm": replicated}
     specs = {"embed": P(MODEL_AXIS, None), "layers": tuple(dict(layer) for _ in range(cfg.num_layers)),
              "final_norm": replicated}
     if not cfg.tie_word_embeddings:
@@ -118,16 +125,26 @@ def _draw(key: jax.Array, first: int, shapes: tuple, dtype: str, std: float) -> 
     return out
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False) -> jax.Array:
+    """Llama's RMSNorm (the normalised x cast back, then scaled), or Gemma's (scaled by 1 + weight
+    in float32, then cast): the order of the cast is each family's own, which bf16 parity needs."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if gemma:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Rotary inverse frequencies, with Llama 3's smooth low/high-frequency rescaling when configured."""
+def rope_inv_freq(cfg: ModelConfig, window: int | None = None) -> np.ndarray:
+    """Rotary inverse frequencies of a layer with this sliding window (Gemma 3's local layers have
+    their own base), with Llama 3's smooth low/high-frequency rescaling or linear scaling when configured."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    local = window is not None and cfg.local_rope_theta is not None
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if local:
+        return inv_freq.astype(np.float32)
+    inv_freq = inv_freq / cfg.rope_linear_factor
     s = cfg.rope_scaling
     if s is None:
         return inv_freq.astype(np.float32)
@@ -164,7 +181,7 @@ def lora_delta(x: jax.Array, w: dict, mask: jax.Array) -> jax.Array:
     return shrunk.reshape(t, -1) @ w["b"]
 
 
-Attend = Callable[[jax.Array, jax.Array, jax.Array, tuple], tuple[jax.Array, tuple]]
+Attend = Callable[[jax.Array, jax.Array, jax.Array, tuple, int | None], tuple[jax.Array, tuple]]
 
 
 def forward(
@@ -181,37 +198,44 @@ def forward(
     `lora`: the adapter slots per layer (`models.lora`; () without LoRA), `lora_mask` [T, L] each
     token's slot (`slot_mask`).
 
-    `attend(q, k, v, kv_layer) -> (out [T, Hq, D], kv_layer)` writes this step's keys and values into
-    a layer's paged cache and attends over it. It is a callable pytree (the runner's
+    `attend(q, k, v, kv_layer, window) -> (out [T, Hq, D], kv_layer)` writes this step's keys and
+    values into a layer's paged cache and attends over it (over the last `window` keys, or all of them
+    for None). It is a callable pytree (the runner's
     `attention.PagedAttention`, the batch's page metadata inside), so the model knows nothing about
     pages and the jitted layer takes it as an argument.
     """
     x = params["embed"][token_ids]
+    if cfg.gemma:  # the scale rounded to the weights' dtype first, as Gemma's embedding does
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     new_kv = []
     for i, (p, kv_layer) in enumerate(zip(params["layers"], kv, strict=True)):
         adapters = lora[i] if lora else {}
-        x, kv_layer = decoder_layer(p, adapters, x, positions, kv_layer, attend, lora_mask, cfg=cfg)
+        x, kv_layer = decoder_layer(p, adapters, x, positions, kv_layer, attend, lora_mask, cfg=cfg,
+                                    window=cfg.layer_window(i))
         new_kv.append(kv_layer)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), tuple(new_kv)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.gemma), tuple(new_kv)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
+@functools.partial(jax.jit, static_argnames=("cfg", "window"))
 def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: tuple, attend: Attend,
-                  lora_mask: jax.Array | None, *, cfg: ModelConfig) -> tuple[jax.Array, tuple]:
-    """One layer (`lora`: its adapter slots, {} without LoRA). Jitted, so a step's program traces and
-    lowers it once and calls it from every layer: lowering runs in Python and, written out per layer
-    (the Pallas kernels into Triton IR each time), was most of start-up. XLA inlines the calls: the
-    compiled step is the same."""
+                  lora_mask: jax.Array | None, *, cfg: ModelConfig, window: int | None) -> tuple[jax.Array, tuple]:
+    """One layer (`lora`: its adapter slots, {} without LoRA; `window`: its attention's sliding
+    window). Jitted, so a step's program traces and lowers it once per kind of layer and calls it
+    from every layer: lowering runs in Python and, written out per layer (the Pallas kernels into
+    Triton IR each time), was most of start-up. XLA inlines the calls: the compiled step is the same."""
 
     def project(h: jax.Array, name: str) -> jax.Array:
         out = h @ p[name]
         return out + lora_delta(h, lora[name], lora_mask) if lora else out
 
+    def norm(h: jax.Array, name: str) -> jax.Array:
+        return rms_norm(h, p[name], cfg.rms_norm_eps, cfg.gemma)
+
     t, s = x.shape[0], cfg.shards
-    d, eps = cfg.head_dim, cfg.rms_norm_eps
+    d = cfg.head_dim
     q_width, kv_width, _ = fused_parts(cfg)["wqkv"]
-    inv_freq = rope_inv_freq(cfg)
-    h = rms_norm(x, p["attn_norm"], eps)
+    inv_freq = rope_inv_freq(cfg, window)
+    h = norm(x, "attn_norm")
     qkv = project(h, "wqkv")
     if cfg.qkv_bias:
         qkv = qkv + p["bqkv"]
@@ -220,17 +244,23 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
     k = k.reshape(t, cfg.num_kv_heads, d)
     v = v.reshape(t, cfg.num_kv_heads, d)
     if cfg.qk_norm:
-        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+        q, k = norm(q, "q_norm"), norm(k, "k_norm")
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    o, kv = attend(q, k, v, kv)
-    x = x + project(o.reshape(t, cfg.num_heads * d), "wo")
-    h = rms_norm(x, p["mlp_norm"], eps)
+    o, kv = attend(q, k, v, kv, window)
+    o = project(o.reshape(t, cfg.num_heads * d), "wo")
+    x = x + (norm(o, "post_attn_norm") if cfg.gemma else o)
+    h = norm(x, "mlp_norm")
     gate_up = project(h, "w_gate_up").reshape(t, s, 2, -1)
     gate, up = gate_up[:, :, 0].reshape(t, -1), gate_up[:, :, 1].reshape(t, -1)
-    return x + project(jax.nn.silu(gate) * up, "w_down"), kv
+    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    out = project(act * up, "w_down")
+    return x + (norm(out, "post_mlp_norm") if cfg.gemma else out), kv
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """fp32 logits [N, V] for the given final hidden states."""
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+    logits = jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+    if cfg.final_soft_cap is not None:
+        logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
+    return logits
