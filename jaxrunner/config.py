@@ -22,6 +22,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -64,6 +66,12 @@ class ModelConfig:
     final_soft_cap: float | None = None  # the same for the logits (Gemma 2)
     query_pre_attn_scalar: float | None = None  # the scores scale by its -1/2 power, not head_dim's (Gemma)
     hidden_act: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    # Mixture-of-Experts (Mixtral, Qwen3-MoE): every layer's MLP is num_experts experts of width
+    # intermediate_size, each token through its num_experts_per_tok best by the router's softmax,
+    # the chosen weights renormalised to sum to one when norm_topk_prob. 0 experts: a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Tensor parallelism (set by the runner): the fused tensors hold, side by side, this many shards,
@@ -81,6 +89,8 @@ class ModelConfig:
                              f"got {list(self.layer_types)}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
 
@@ -153,11 +163,18 @@ class ModelConfig:
             layer_types = ()  # every layer slides: the Mistral case
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
+        intermediate = hf.intermediate_size
+        if arch == "Qwen3MoeForCausalLM":
+            if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
+                raise ValueError("Qwen3-MoE checkpoints with dense layers (mlp_only_layers, decoder_sparse_step > 1) "
+                                 "are not supported: jaxrunner runs every layer's MLP as experts")
+            intermediate = hf.moe_intermediate_size
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            intermediate_size=intermediate,
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
@@ -170,13 +187,16 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=window,
             layer_types=layer_types,
             attn_soft_cap=getattr(hf, "attn_logit_softcapping", None),
             final_soft_cap=getattr(hf, "final_logit_softcapping", None),
             query_pre_attn_scalar=getattr(hf, "query_pre_attn_scalar", None),
             hidden_act=getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"),
+            num_experts=num_experts,
+            num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if num_experts else 0,
+            norm_topk_prob=arch == "MixtralForCausalLM" or bool(getattr(hf, "norm_topk_prob", True)),
             bos_token_id=hf.bos_token_id,
             eos_token_ids=eos_ids,
         )

@@ -35,6 +35,19 @@ _LAYER_NAMES = {
     "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
     "w_down": (("mlp.down_proj.weight",), True),
 }
+# Mixture-of-Experts layers: "{e}" stands for each expert's index, the experts stacked on a first axis.
+_MOE_LAYER_NAMES = {
+    "Qwen3MoeForCausalLM": {
+        "router": (("mlp.gate.weight",), True),
+        "experts_gate_up": (("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), True),
+        "experts_down": (("mlp.experts.{e}.down_proj.weight",), True),
+    },
+    "MixtralForCausalLM": {
+        "router": (("block_sparse_moe.gate.weight",), True),
+        "experts_gate_up": (("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"), True),
+        "experts_down": (("block_sparse_moe.experts.{e}.w2.weight",), True),
+    },
+}
 # Gemma's post_attention_layernorm follows attention; its MLP's own norm comes before it, and one after.
 _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
     "mlp_norm": (("pre_feedforward_layernorm.weight",), False),
@@ -55,6 +68,7 @@ class Part:
     name: str  # Hugging Face name
     transposed: bool
     shape: tuple[int, ...]  # ours, after the transpose
+    expert: int | None = None  # the index on the stacked experts' first axis
 
 
 @dataclass(frozen=True)
@@ -64,20 +78,23 @@ class Checkpoint:
     path: str
     config: ModelConfig
     tensors: SafetensorsFiles | GGUFFile  # by Hugging Face name: shape(name), read(name)
-    parts: dict[object, list[Part]]  # our name (or (layer, name)) -> its parts, concatenated along the last axis
+    # our name (or (layer, name)) -> its parts, concatenated along the last axis (expert by expert,
+    # the experts then stacked)
+    parts: dict[object, list[Part]]
 
     def load(self, dtype: str = "float32") -> Params:
         """Every param, cast to `dtype`."""
         loaded = {}
         for key, parts in self.parts.items():
-            tensors = []
+            groups: dict[int | None, list[jax.Array]] = {}
             for part in parts:
                 try:
                     raw = self.tensors.read(part.name)
                 except (SafetensorError, ValueError) as e:
                     raise ValueError(f"cannot read tensor {part.name} of checkpoint {self.path!r}: {e}") from None
-                tensors.append(jnp.asarray(raw.T if part.transposed else raw, dtype=dtype))
-            loaded[key] = tensors[0] if len(tensors) == 1 else jnp.concatenate(tensors, axis=-1)
+                groups.setdefault(part.expert, []).append(jnp.asarray(raw.T if part.transposed else raw, dtype=dtype))
+            joined = [g[0] if len(g) == 1 else jnp.concatenate(g, axis=-1) for g in groups.values()]
+            loaded[key] = joined[0] if None in groups else jnp.stack(joined)
         shapes = param_shapes(self.config)
         params = {name: loaded[name] for name in shapes if name != "layers"}
         params["layers"] = tuple({name: loaded[(i, name)] for name in layer} for i, layer in enumerate(shapes["layers"]))
@@ -128,12 +145,15 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint | SavedParams:
         tensors = SafetensorsFiles(_safetensors_files(path))
 
     shapes, fused = param_shapes(config), fused_parts(config)
-    layer_names = _GEMMA_LAYER_NAMES if config.gemma else _LAYER_NAMES
+    layer_names = (_GEMMA_LAYER_NAMES if config.gemma else _LAYER_NAMES) | _MOE_LAYER_NAMES.get(config.architecture, {})
 
     def parts(table: dict, name: str, shape: tuple, prefix: str = "") -> list[Part]:
         hf_names, transposed = table[name]
         widths = fused.get(name, (shape[-1],))
-        return [Part(prefix + hf, transposed, shape[:-1] + (w,)) for hf, w in zip(hf_names, widths, strict=True)]
+        if "{e}" not in hf_names[0]:
+            return [Part(prefix + hf, transposed, shape[:-1] + (w,)) for hf, w in zip(hf_names, widths, strict=True)]
+        return [Part(prefix + hf.format(e=e), transposed, shape[1:-1] + (w,), e)
+                for e in range(shape[0]) for hf, w in zip(hf_names, widths, strict=True)]
 
     wanted = {name: parts(_TOP_NAMES, name, shape) for name, shape in shapes.items() if name != "layers"}
     for i, layer in enumerate(shapes["layers"]):

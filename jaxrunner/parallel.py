@@ -46,6 +46,9 @@ def check_split(model: ModelConfig, tp: int) -> None:
     kv = model.num_kv_heads
     if (kv % tp if kv >= tp else tp % kv):
         problems.append(f"num_key_value_heads={kv} (neither a multiple nor a divisor of {tp})")
+    if model.num_experts:
+        raise ValueError(f"tensor parallelism does not split Mixture-of-Experts models yet ({model.architecture}); "
+                         "run with tensor_parallel_size=1 (data parallelism works)")
     if problems:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {', '.join(problems)}; "
                          "choose a tensor_parallel_size that divides them")

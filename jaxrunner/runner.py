@@ -109,6 +109,9 @@ class Runner:
         if draft is not None and draft[0].vocab_size != model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft[0].vocab_size} tokens) differs from the target's "
                              f"({model_config.vocab_size}); speculative decoding needs the same tokenizer")
+        if config.lora.enabled and model_config.num_experts:
+            raise ValueError(f"LoRA adapters on Mixture-of-Experts models ({model_config.architecture}) are not "
+                             "supported yet; run without enable_lora")
         tp, replica = config.tensor_parallel_size, config.data_parallel_rank
         self.mesh = make_mesh(tp, replica) if tp > 1 or replica > 0 else None
         if tp > 1:  # the params laid out for the split

@@ -151,6 +151,37 @@ MODELS: dict[str, tuple[type, type, dict[str, Any], int, dict[str, Any]]] = {
         0,
         {},
     ),
+    "tiny-qwen3-moe": (
+        transformers.Qwen3MoeForCausalLM,
+        transformers.Qwen3MoeConfig,
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 96,  # of dense layers, which this model has none of
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        0,
+        {},
+    ),
+    "tiny-mixtral": (
+        transformers.MixtralForCausalLM,
+        transformers.MixtralConfig,
+        {
+            "num_key_value_heads": 2,
+            "intermediate_size": 48,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        2,
+        {},
+    ),
 }
 
 

@@ -13,7 +13,8 @@ from jaxrunner import Runner, RunnerConfig, SamplingParams
 from jaxrunner.loader import load_model
 
 DATA = Path(__file__).parent / "data"
-MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"]
+MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-qwen3-moe",
+          "tiny-mixtral"]
 CONFIG = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128, block_size=8, num_blocks=96)
 
 

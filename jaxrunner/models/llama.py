@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import ModelConfig
+from jaxrunner.models.moe import moe_mlp
 
 Params = dict
 
@@ -31,7 +32,8 @@ Params = dict
 def fused_parts(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Widths of the side-by-side parts of each fused tensor (along its last axis): q|k|v, gate|up."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    parts = {"wqkv": (q, kv, kv), "w_gate_up": (cfg.intermediate_size, cfg.intermediate_size)}
+    mlp = "experts_gate_up" if cfg.num_experts else "w_gate_up"
+    parts = {"wqkv": (q, kv, kv), mlp: (cfg.intermediate_size, cfg.intermediate_size)}
     if cfg.qkv_bias:
         parts["bqkv"] = parts["wqkv"]
     return parts
@@ -42,14 +44,13 @@ def param_shapes(cfg: ModelConfig) -> dict:
     h, d = cfg.hidden_size, cfg.head_dim
     q = cfg.num_heads * d
     fused = {name: sum(widths) for name, widths in fused_parts(cfg).items()}
-    layer = {
-        "attn_norm": (h,),
-        "wqkv": (h, fused["wqkv"]),
-        "wo": (q, h),
-        "mlp_norm": (h,),
-        "w_gate_up": (h, fused["w_gate_up"]),
-        "w_down": (cfg.intermediate_size, h),
-    }
+    layer = {"attn_norm": (h,), "wqkv": (h, fused["wqkv"]), "wo": (q, h), "mlp_norm": (h,)}
+    if cfg.num_experts:
+        e = cfg.num_experts
+        layer |= {"router": (h, e), "experts_gate_up": (e, h, fused["experts_gate_up"]),
+                  "experts_down": (e, cfg.intermediate_size, h)}
+    else:
+        layer |= {"w_gate_up": (h, fused["w_gate_up"]), "w_down": (cfg.intermediate_size, h)}
     if cfg.qkv_bias:
         layer["bqkv"] = (fused["bqkv"],)
     if cfg.qk_norm:
@@ -75,8 +76,11 @@ def param_specs(cfg: ModelConfig) -> dict:
     and down row-parallel (their matmuls end in an all-reduce), the embedding and the LM head split
     over the vocabulary, norms replicated."""
     column, row, replicated = P(None, MODEL_AXIS), P(MODEL_AXIS, None), P()
-    layer = {"attn_norm": replicated, "wqkv": column, "wo": row, "mlp_norm": replicated, "w_gate_up": column,
-             "w_down": row}
+    layer = {"attn_norm": replicated, "wqkv": column, "wo": row, "mlp_norm": replicated}
+    if cfg.num_experts:  # tensor parallelism refuses MoE models (`parallel.check_split`): data parallel only
+        layer |= {"router": replicated, "experts_gate_up": replicated, "experts_down": replicated}
+    else:
+        layer |= {"w_gate_up": column, "w_down": row}
     if cfg.qkv_bias:
         layer["bqkv"] = P(MODEL_AXIS)
     if cfg.qk_norm:
@@ -250,10 +254,13 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
     o = project(o.reshape(t, cfg.num_heads * d), "wo")
     x = x + (norm(o, "post_attn_norm") if cfg.gemma else o)
     h = norm(x, "mlp_norm")
-    gate_up = project(h, "w_gate_up").reshape(t, s, 2, -1)
-    gate, up = gate_up[:, :, 0].reshape(t, -1), gate_up[:, :, 1].reshape(t, -1)
-    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    out = project(act * up, "w_down")
+    act = jax.nn.silu if cfg.hidden_act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+    if cfg.num_experts:
+        out = moe_mlp(h, p["router"], p["experts_gate_up"], p["experts_down"], act, cfg)
+    else:
+        gate_up = project(h, "w_gate_up").reshape(t, s, 2, -1)
+        gate, up = gate_up[:, :, 0].reshape(t, -1), gate_up[:, :, 1].reshape(t, -1)
+        out = project(act(gate) * up, "w_down")
     return x + (norm(out, "post_mlp_norm") if cfg.gemma else out), kv
 
 

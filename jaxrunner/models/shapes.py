@@ -16,6 +16,11 @@ SHAPES = {
         num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True, eos_token_ids=(151645,),
     ),
+    "qwen3-30b-a3b": ModelConfig(
+        "Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048, intermediate_size=768, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, qk_norm=True, num_experts=128, num_experts_per_tok=8, eos_token_ids=(151645,),
+    ),
     "tiny": ModelConfig(
         "LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(0,),

@@ -1,0 +1,73 @@
+"""The Mixture-of-Experts MLP against a loop over experts, on fresh random weights, and what MoE
+models refuse."""
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrunner import Runner, RunnerConfig
+from jaxrunner.config import LoraConfig, ModelConfig
+from jaxrunner.loader import load_model
+from jaxrunner.models.moe import moe_mlp, route
+
+MODELS = Path(__file__).parent / "data" / "models"
+
+
+def loop_reference(x, router, gate_up, down, k, normalize):
+    """Each token through each of its top-k experts in turn (numpy, float64)."""
+    x, router, gate_up, down = (np.asarray(a, np.float64) for a in (x, router, gate_up, down))
+    logits = x @ router
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        chosen = np.argsort(-probs[t])[:k]
+        w = probs[t, chosen] / (probs[t, chosen].sum() if normalize else 1.0)
+        for e, weight in zip(chosen, w):
+            gate, up = np.split(x[t] @ gate_up[e], 2)
+            out[t] += weight * ((gate / (1 + np.exp(-gate)) * up) @ down[e])
+    return out
+
+
+@pytest.mark.parametrize("tokens, experts, k, normalize", [(37, 8, 2, True), (5, 4, 1, False), (64, 16, 4, True)])
+def test_grouped_matmuls_equal_a_loop_over_experts(tokens, experts, k, normalize):
+    rng = np.random.default_rng(tokens)
+    h, inter = 24, 16
+    x = rng.standard_normal((tokens, h)).astype(np.float32)
+    router = rng.standard_normal((h, experts)).astype(np.float32)
+    gate_up = (0.3 * rng.standard_normal((experts, h, 2 * inter))).astype(np.float32)
+    down = (0.3 * rng.standard_normal((experts, inter, h))).astype(np.float32)
+    cfg = ModelConfig("MixtralForCausalLM", 64, h, inter, 1, 2, 1, 12, num_experts=experts, num_experts_per_tok=k,
+                      norm_topk_prob=normalize)
+    with jax.default_matmul_precision("highest"):
+        got = moe_mlp(jnp.asarray(x), jnp.asarray(router), jnp.asarray(gate_up), jnp.asarray(down), jax.nn.silu, cfg)
+    np.testing.assert_allclose(np.asarray(got), loop_reference(x, router, gate_up, down, k, normalize), rtol=1e-4, atol=1e-4)
+    _, chosen = route(jnp.asarray(x @ router), k, normalize)
+    assert len(np.unique(np.asarray(chosen))) > k  # the tokens spread over several experts
+
+
+def test_router_weights():
+    logits = jnp.asarray([[0.0, 1.0, 2.0, 3.0]])
+    weights, experts = route(logits, 2, normalize=True)
+    assert experts.tolist() == [[3, 2]] and np.isclose(float(weights.sum()), 1.0)
+    raw, _ = route(logits, 2, normalize=False)
+    np.testing.assert_allclose(np.asarray(raw), np.asarray(jax.nn.softmax(logits)[:, [3, 2]]), rtol=1e-6)
+
+
+def test_moe_models_refuse_what_they_do_not_support(tmp_path):
+    cfg, params = load_model(MODELS / "tiny-mixtral", "float32")
+    base = RunnerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, block_size=8, num_blocks=32)
+    with pytest.raises(ValueError, match="tensor parallelism does not split Mixture-of-Experts"):
+        Runner(cfg, params, dataclasses.replace(base, tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="LoRA adapters on Mixture-of-Experts"):
+        Runner(cfg, params, dataclasses.replace(base, lora=LoraConfig(max_loras=1, max_lora_rank=8)))
+    qwen = ModelConfig.from_hf(MODELS / "tiny-qwen3-moe")
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.intermediate_size, qwen.qk_norm) == (8, 2, 32, True)
+    config = (MODELS / "tiny-qwen3-moe" / "config.json").read_text().replace('"mlp_only_layers": []', '"mlp_only_layers": [1]')
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        ModelConfig.from_hf(tmp_path)
