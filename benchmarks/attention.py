@@ -12,6 +12,8 @@ Sections (all bf16, Llama-3-8B heads: 32 query heads, 8 KV heads, D=128, page si
 - kv write: `write_kv` (Pallas, aliased) against the XLA scatter, caches updated in a loop carry;
 - sweep (unless --no-sweep): a few kernel tilings for decode 64 x 4k and prefill 8k, so one run
   shows which tiling to make the default;
+- --fp8 alone: decode at batch 64 and 256 x 4k with bf16 and with fp8 (e4m3) pages, our kernel
+  (it widens fp8 pages as it reads them; GB/s counts the bytes read, half as many for fp8);
 - --w1-sweep alone: decode tilings for one sequence at 129 and 385 keys (W1's short contexts, the
   query padded to 16 tokens as the runner pads it), and the default at 64 x 4k.
 
@@ -41,7 +43,7 @@ import numpy as np
 from jax import lax
 
 from jaxrunner import platform
-from pallas_kernels import KernelConfig, ragged_paged_attention, ragged_paged_attention_decode, write_kv
+from pallas_kernels import FP8, KernelConfig, ragged_paged_attention, ragged_paged_attention_decode, write_kv
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 GROUP = NUM_Q_HEADS // NUM_KV_HEADS
@@ -130,17 +132,18 @@ def _paged_cache(key, num_pages):
 
 
 def decode_case(batch: int, context: int, copy_gbps: float, configs: dict[str, KernelConfig] | None = None,
-                tokens: int | None = None):
+                tokens: int | None = None, kv_dtype=DTYPE):
     """`tokens` > batch pads q as the runner does (the smallest token bucket is 16 tokens)."""
-    case = f"b{batch} x ctx{context}" + (f" T{tokens}" if tokens else "")
+    kv_dtype = jnp.dtype(kv_dtype)
+    case = f"b{batch} x ctx{context}" + (f" T{tokens}" if tokens else "") + ("" if kv_dtype == DTYPE else f" {kv_dtype.name}")
     pages_per_seq = -(-context // PAGE)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     est = kv_bytes / (copy_gbps * 1e9)
     copies = max(1, -(-ROTATE_BYTES // kv_bytes))
     rng = np.random.default_rng(batch * 100003 + context)
     num_pages = copies * batch * pages_per_seq
     tables = jnp.asarray(rng.permutation(num_pages).reshape(copies, batch, pages_per_seq), jnp.int32)
-    k_cache, v_cache = _paged_cache(jax.random.key(batch + context), num_pages)
+    k_cache, v_cache = (c.astype(kv_dtype) for c in _paged_cache(jax.random.key(batch + context), num_pages))
     q = jax.random.normal(jax.random.key(1), (tokens or batch, NUM_Q_HEADS, HEAD_DIM), DTYPE)
     lens = jnp.full((batch,), context, jnp.int32)
     qsl = jnp.arange(batch + 1, dtype=jnp.int32)
@@ -334,15 +337,21 @@ def main():
     parser.add_argument("--no-sweep", action="store_true", help="skip the tiling sweep")
     parser.add_argument("--quick", action="store_true", help="only the target cases")
     parser.add_argument("--w1-sweep", action="store_true", help="only tilings for W1's decode (batch 1, short context)")
+    parser.add_argument("--fp8", action="store_true", help="only decode with bf16 against fp8 pages")
     args = parser.parse_args()
     print(f"devices: {jax.devices()}", flush=True)
 
     copy = record("copy", "4 GiB -> 4 GiB", "xla", measure_copy)
     copy_gbps = copy.get("gbps", 4210.0)
-    if args.w1_sweep:
+    if args.fp8:
+        for batch in (64, 256):
+            for kv_dtype in (DTYPE, FP8):
+                decode_case(batch, 4096, copy_gbps, configs={"default": None}, kv_dtype=kv_dtype)
+    elif args.w1_sweep:
         for context in (129, 385):
             decode_case(1, context, copy_gbps, configs={"default": None} | w1_sweep(), tokens=16)
         decode_case(64, 4096, copy_gbps, configs={"default": None})
+    if args.fp8 or args.w1_sweep:
         return
     batches = (64,) if args.quick else (1, 16, 64, 256)
     contexts = (4096,) if args.quick else (512, 4096, 32768)

@@ -16,13 +16,11 @@ import time
 from unittest import mock
 
 import jax
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxrunner import Runner, RunnerConfig
 from jaxrunner.models.llama import init_params
 from jaxrunner.models.shapes import SHAPES, shape
-
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+from pallas_kernels.testing import H200
 
 
 def main() -> None:

@@ -10,17 +10,21 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import Kernels, ModelConfig
 from jaxrunner.models.llama import MODEL_AXIS
 from jaxrunner.pytree import pytree_dataclass, static_field
 from pallas_kernels import (
+    FP8,
     ragged_paged_attention,
     ragged_paged_attention_decode,
     reference_ragged_paged_attention,
     write_kv,
 )
+
+FP8_MAX = float(jnp.finfo(FP8).max)
 
 
 @pytree_dataclass
@@ -46,6 +50,7 @@ class PagedAttention:
     md: AttentionMetadata
     sm_scale: float = static_field()
     soft_cap: float | None = static_field()
+    kv_scales: tuple[float, float] = static_field()  # an fp8 cache's K and V scales
     kernels: Kernels = static_field()
     uniform_decode: bool = static_field()
     queries_per_seq: int = static_field()  # of the decode form: 1, or 1 + k with speculative decoding
@@ -66,7 +71,10 @@ class PagedAttention:
     def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, md: AttentionMetadata, *,
                 window: int | None) -> tuple[jax.Array, tuple]:
         kernels = self.kernels
-        options = dict(sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.soft_cap)
+        k_scale, v_scale = self.kv_scales if kv[0].dtype == FP8 else (1.0, 1.0)
+        if kv[0].dtype == FP8:  # stored divided by the scales, saturated at fp8's range; read back times them
+            k, v = (jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX) for x, scale in ((k, k_scale), (v, v_scale)))
+        options = dict(sm_scale=self.sm_scale * k_scale, sliding_window=window, soft_cap=self.soft_cap)
         if not kernels.pallas:
             k_cache, v_cache = write_kv(*kv, k, v, md.slot_mapping, impl="xla")
             attention = functools.partial(reference_ragged_paged_attention, **options)
@@ -78,12 +86,16 @@ class PagedAttention:
             else:
                 attention = functools.partial(ragged_paged_attention, **options, interpret=kernels.interpret)
         out = attention(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs)
+        if v_scale != 1.0:
+            out = (out * v_scale).astype(q.dtype)
         return out, (k_cache, v_cache)
 
 
 def paged_attend(
-    model: ModelConfig, md: AttentionMetadata, kernels: Kernels, *, uniform_decode: bool = False, queries_per_seq: int = 1
+    model: ModelConfig, md: AttentionMetadata, kernels: Kernels, *, uniform_decode: bool = False, queries_per_seq: int = 1,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> PagedAttention:
-    """The model's paged attention over the batch `md` describes."""
+    """The model's paged attention over the batch `md` describes (`kv_scales`: an fp8 cache's)."""
     scale = (model.query_pre_attn_scalar or model.head_dim) ** -0.5
-    return PagedAttention(md, scale, model.attn_soft_cap, kernels, uniform_decode, queries_per_seq)
+    return PagedAttention(md, scale, model.attn_soft_cap, tuple(map(float, kv_scales)), kernels, uniform_decode,
+                          queries_per_seq)

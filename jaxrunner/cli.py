@@ -49,6 +49,7 @@ ENGINE_FLAGS = (
     ("tokenizer", str, "tokenizer directory (default: the model's)"),
     ("skip_tokenizer_init", None, "no tokenizer: each PROMPT is token ids (\"1,2,3\"), token ids are printed"),
     ("dtype", str, "auto, float32, bfloat16 or float16"),
+    ("kv_cache_dtype", str, "auto (the model's dtype) or fp8 (e4m3 pages: twice the KV blocks)"),
     ("max_model_len", int, None),
     ("block_size", int, None),
     ("max_num_seqs", int, None),

@@ -339,6 +339,7 @@ class LoraConfig:
 
 
 KERNEL_CHOICES = ("auto", "pallas", "reference")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -370,6 +371,9 @@ class RunnerConfig:
     `num_scheduler_steps`: the decode steps of a multi-step call (warm-up compiles its loop).
     `speculative`: speculative decoding (not with multi-step decode). `lora`: multi-LoRA slots.
     `tensor_parallel_size`: devices the model is split over (`parallel`).
+    `kv_cache_dtype`: "auto" keeps the pages in `dtype`; "fp8" (or "fp8_e4m3") stores them as float8
+    e4m3, keys and values divided by `kv_scales` (vLLM's k_scale and v_scale) as they are written
+    and multiplied back as attention reads them: half of bf16's bytes, so twice the blocks.
     `kernels`: "auto", "pallas" or "reference" (see `Kernels.choose`). `compilation_cache_dir` turns
     on JAX's persistent compilation cache (process-wide) there, and the runner's program cache in
     its `programs` folder (`program_cache`: found without lowering).
@@ -381,6 +385,8 @@ class RunnerConfig:
     block_size: int = 16
     num_blocks: int = 256
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    kv_scales: tuple[float, float] = (1.0, 1.0)
     seed: int = 0
     num_scheduler_steps: int = 1
     sampler: SamplerConfig = SamplerConfig()
@@ -400,6 +406,10 @@ class RunnerConfig:
                 raise ValueError(f"RunnerConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"RunnerConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if len(self.kv_scales) != 2 or not all(0 < float(x) < float("inf") for x in self.kv_scales):
+            raise ValueError(f"kv_scales must be two positive finite numbers (K's and V's), got {self.kv_scales!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"RunnerConfig.kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if not isinstance(self.data_parallel_rank, int) or self.data_parallel_rank < 0:
@@ -420,6 +430,11 @@ class RunnerConfig:
     @property
     def jnp_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
+
+    @property
+    def kv_dtype(self) -> jnp.dtype:
+        """The KV pages' dtype."""
+        return self.jnp_dtype if self.kv_cache_dtype == "auto" else jnp.dtype(jnp.float8_e4m3fn)
 
     @property
     def max_blocks_per_req(self) -> int:

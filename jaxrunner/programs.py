@@ -227,16 +227,17 @@ def _model_and_kernels(ctx: Context) -> dict:
 
 
 def _decode_loop_options(ctx: Context) -> dict:
-    return _model_and_kernels(ctx) | dict(max_loras=ctx.config.lora.max_loras)
+    return _model_and_kernels(ctx) | dict(max_loras=ctx.config.lora.max_loras, kv_scales=ctx.config.kv_scales)
 
 
 def _forward_options(ctx: Context) -> dict:
     return dict(model=ctx.model, draft_model=ctx.draft_model, kernels=ctx.kernels, spec_tokens=ctx.spec_tokens,
-                max_loras=ctx.config.lora.max_loras)
+                max_loras=ctx.config.lora.max_loras, kv_scales=ctx.config.kv_scales)
 
 
 def _spec_options(ctx: Context) -> dict:
-    return dict(model=ctx.model, draft_model=ctx.draft_model, kernels=ctx.kernels, spec=ctx.config.speculative)
+    return dict(model=ctx.model, draft_model=ctx.draft_model, kernels=ctx.kernels, spec=ctx.config.speculative,
+                kv_scales=ctx.config.kv_scales)
 
 
 WRITE_BLOCKS = Kind("write_blocks", write_block_rows, key=lambda args, s: (args[1].shape[0],),

@@ -47,13 +47,13 @@ def kv_cache_bytes(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | N
     def per_model(m: ModelConfig) -> int:
         return 2 * cfg.num_blocks * cfg.block_size * m.num_kv_heads * m.head_dim * m.num_layers
 
-    return (per_model(model) + (per_model(draft) if draft is not None else 0)) * cfg.jnp_dtype.itemsize
+    return (per_model(model) + (per_model(draft) if draft is not None else 0)) * cfg.kv_dtype.itemsize
 
 
 def init_state(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None = None) -> RunnerState:
     def pages(m: ModelConfig) -> tuple:
         page = (cfg.num_blocks, cfg.block_size, m.num_kv_heads, m.head_dim)
-        return tuple((jnp.zeros(page, cfg.jnp_dtype), jnp.zeros(page, cfg.jnp_dtype)) for _ in range(m.num_layers))
+        return tuple((jnp.zeros(page, cfg.kv_dtype), jnp.zeros(page, cfg.kv_dtype)) for _ in range(m.num_layers))
 
     spec = cfg.speculative.num_speculative_tokens
     rows = cfg.max_num_seqs

@@ -117,10 +117,11 @@ def resolve_positions(state: RunnerState, inp: TokenInputs) -> TokenInputs:
 
 def backbone(
     params: Params, model: ModelConfig, kv: tuple, state: RunnerState, inp: TokenInputs, ids: jax.Array,
-    kernels: Kernels, uniform_decode: bool, queries_per_seq: int, lora: Lora = (), max_loras: int = 0,
+    kernels: Kernels, uniform_decode: bool, queries_per_seq: int, kv_scales: tuple[float, float], lora: Lora = (),
+    max_loras: int = 0,
 ) -> tuple[jax.Array, tuple]:
-    """One model over the batch `inp` (absolute positions) with its paged cache `kv`, and its LoRA
-    slots (() for none): (hidden [T, H], kv)."""
+    """One model over the batch `inp` (absolute positions) with its paged cache `kv` (an fp8 one's
+    `kv_scales`), and its LoRA slots (() for none): (hidden [T, H], kv)."""
     num_rows = state.token_ids.shape[0]
     block_size = kv[0][0].shape[1]
     rows = jnp.minimum(inp.token_rows, num_rows - 1)
@@ -134,7 +135,8 @@ def backbone(
         block_tables=state.block_table[inp.seq_rows],
         num_seqs=inp.num_seqs,
     )
-    attend = paged_attend(model, md, kernels, uniform_decode=uniform_decode, queries_per_seq=queries_per_seq)
+    attend = paged_attend(model, md, kernels, uniform_decode=uniform_decode, queries_per_seq=queries_per_seq,
+                          kv_scales=kv_scales)
     mask = slot_mask(inp.lora_slots, max_loras, params["embed"].dtype) if lora else None
     with jax.default_matmul_precision(matmul_precision(params)):
         return forward(params, model, ids, inp.positions, kv, attend, lora, mask)
@@ -143,6 +145,7 @@ def backbone(
 def forward_step(
     params: Params, draft_params: Params, lora: Lora, state: RunnerState, inp: TokenInputs, *, model: ModelConfig,
     draft_model: ModelConfig | None, kernels: Kernels, uniform_decode: bool, spec_tokens: int, max_loras: int,
+    kv_scales: tuple[float, float],
 ) -> tuple[jax.Array, jax.Array, RunnerState]:
     """(hidden states of each sequence's last 1 + spec_tokens tokens [S, 1 + k, H], of every token
     [T, H], the new state). Row i of a sequence is the hidden state after its i-th draft; the rows
@@ -153,10 +156,12 @@ def forward_step(
     ids = jnp.where(inp.token_ids >= 0, inp.token_ids, state.token_ids[rows, inp.positions])
     token_ids = state.token_ids.at[inp.token_rows, inp.positions].set(ids, mode="drop")
     qps = 1 + spec_tokens
-    hidden, kv = backbone(params, model, state.kv, state, inp, ids, kernels, uniform_decode, qps, lora, max_loras)
+    hidden, kv = backbone(params, model, state.kv, state, inp, ids, kernels, uniform_decode, qps, kv_scales, lora,
+                          max_loras)
     draft_kv = state.draft_kv
     if draft_model is not None:  # the draft model's pages follow the target's, token for token
-        _, draft_kv = backbone(draft_params, draft_model, draft_kv, state, inp, ids, kernels, uniform_decode, qps)
+        _, draft_kv = backbone(draft_params, draft_model, draft_kv, state, inp, ids, kernels, uniform_decode, qps,
+                               kv_scales)
     first = inp.query_start_loc[1:] - 1 - jnp.minimum(inp.num_drafts, spec_tokens)
     index = jnp.clip(first[:, None] + jnp.arange(qps)[None, :], 0, hidden.shape[0] - 1)
     return hidden[index], hidden, dataclasses.replace(state, token_ids=token_ids, kv=kv, draft_kv=draft_kv)
@@ -180,7 +185,7 @@ def sample_step(
 def spec_sample_step(
     params: Params, draft_params: Params, state: RunnerState, last_hidden: jax.Array, inp: SampleInputs, *,
     model: ModelConfig, draft_model: ModelConfig | None, kernels: Kernels, flags: SamplerFlags,
-    spec: SpeculativeConfig,
+    spec: SpeculativeConfig, kv_scales: tuple[float, float],
 ) -> tuple[SamplerOutput, jax.Array, RunnerState]:
     """Verify each request's drafts, keep 1 to 1 + num_drafts tokens, and propose the next drafts.
 
@@ -218,7 +223,7 @@ def spec_sample_step(
     lens = state.lens.at[inp.commit_rows].set(base + num_kept, mode="drop")
     state = dataclasses.replace(state, token_ids=token_ids, lens=lens)
     state = propose(params, draft_params, state, inp, md, flags, committing, model=model, draft_model=draft_model,
-                    kernels=kernels, spec=spec)
+                    kernels=kernels, spec=spec, kv_scales=kv_scales)
     next_lens = state.lens[slots]
     next_drafts = jnp.take_along_axis(
         state.token_ids[slots], jnp.clip(next_lens[:, None] + jnp.arange(k)[None, :], 0, state.token_ids.shape[1] - 1), axis=1)
@@ -244,7 +249,7 @@ def spec_sample_step(
 def propose(
     params: Params, draft_params: Params, state: RunnerState, inp: SampleInputs, md: SamplingMetadata,
     flags: SamplerFlags, committing: jax.Array, *, model: ModelConfig, draft_model: ModelConfig | None,
-    kernels: Kernels, spec: SpeculativeConfig,
+    kernels: Kernels, spec: SpeculativeConfig, kv_scales: tuple[float, float],
 ) -> RunnerState:
     """Write the next k drafts of every request that just sampled just past its device length."""
     b, k = inp.commit_rows.shape[0], spec.num_speculative_tokens
@@ -273,7 +278,7 @@ def propose(
         )
         ids = state.token_ids[slots, pos]
         hidden, draft_kv = backbone(draft_params, draft_model, state.draft_kv, state, tokens, ids, kernels,
-                                    kernels.pallas, 1)
+                                    kernels.pallas, 1, kv_scales)
         with jax.default_matmul_precision(matmul_precision(draft_params)):
             logits = compute_logits(draft_params, draft_model, hidden).astype(jnp.float32)
         step_md = dataclasses.replace(row_md, positions=pos + 1)
@@ -344,6 +349,7 @@ def decode_loop(
     num_steps: int,
     uniform_decode: bool,
     max_loras: int,
+    kv_scales: tuple[float, float],
 ) -> tuple[SamplerOutput, RunnerState]:
     """`num_steps` rounds of `decode_round` inputs through forward + sample in one call; outputs
     stacked [num_steps, B]."""
@@ -351,7 +357,8 @@ def decode_loop(
     def round_(state: RunnerState, j: jax.Array) -> tuple[RunnerState, SamplerOutput]:
         tok, smp = decode_round(tokens, samples, steps, j, state.token_ids.shape[0])
         last_hidden, _, state = forward_step(params, {}, lora, state, tok, model=model, draft_model=None, kernels=kernels,
-                                             uniform_decode=uniform_decode, spec_tokens=0, max_loras=max_loras)
+                                             uniform_decode=uniform_decode, spec_tokens=0, max_loras=max_loras,
+                                             kv_scales=kv_scales)
         out, state = sample_step(params, state, last_hidden, smp, model=model, kernels=kernels, flags=flags)
         return state, out
 

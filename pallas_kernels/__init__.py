@@ -1,6 +1,7 @@
 """Pallas kernels for jaxrunner (GPU through the Triton lowering; interpret mode on CPU)."""
 
 from pallas_kernels.attention_kernel import KernelConfig
+from pallas_kernels.common import FP8
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
@@ -10,6 +11,7 @@ from pallas_kernels.ragged_paged_attention import (
 from pallas_kernels.sampler_tally import tally_kernel, tally_reference
 
 __all__ = [
+    "FP8",
     "KernelConfig",
     "ragged_paged_attention",
     "ragged_paged_attention_decode",

@@ -122,11 +122,13 @@ def _kernel(work_ref, q_ref, k_ref, v_ref, bt_ref, *out_refs, spec: AttentionSpe
         idx = (page[:, None], (j & (block_size - 1))[:, None], kv_head, d)
         if masked:
             key_ok = (j < kv_hi)[:, None]
-            k = plt.load(k_ref.at[idx], mask=key_ok, other=0)
-            v = plt.load(v_ref.at[idx], mask=key_ok, other=0)
+            k = plt.load(k_ref.at[idx], mask=key_ok, other=0.0)
+            v = plt.load(v_ref.at[idx], mask=key_ok, other=0.0)
         else:
             k = plt.load(k_ref.at[idx])
             v = plt.load(v_ref.at[idx])
+        if k_ref.dtype != q_ref.dtype:  # fp8 pages, widened as they are read (their scales are the caller's)
+            k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
         s = _dot(q, k, contract_b=1, precision=precision) * score_scale
         if spec.soft_cap is not None:
             s = jnp.tanh(s * (1.0 / spec.soft_cap)) * (spec.soft_cap * LOG2E)

@@ -6,6 +6,9 @@ import jax
 import jax.numpy as jnp
 
 
+FP8 = jnp.dtype(jnp.float8_e4m3fn)  # the fp8 KV cache's format (e4m3, no infinities, +-448)
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (Triton-lowered blocks must be powers of two)."""
     return 1 << max(0, (n - 1).bit_length())

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention_kernel import AttentionSpec, KernelConfig, paged_attention_call
-from pallas_kernels.common import cdiv, combine_splits, next_pow2
+from pallas_kernels.common import FP8, cdiv, combine_splits, next_pow2
 
 MIN_SPLIT_KEYS = 512  # a flash-decoding split covers at least this many keys...
 SHORT_SPLIT_KEYS = 128  # ...or, for a batch with fewer (sequence, KV head) pairs than SMs, this many
@@ -126,9 +126,10 @@ def _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap) -> AttentionS
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_q_heads % num_kv_heads or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {q.shape} does not fit the caches {k_cache.shape}, {v_cache.shape}")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        # Casting here would copy the whole cache on every call.
-        raise ValueError(f"q and the caches must share a dtype: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8):
+        # Casting here would copy the whole cache on every call; the kernel casts fp8 pages as it reads them.
+        raise ValueError(f"the caches must share q's dtype or be {FP8.name}: q {q.dtype}, caches {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
     if head_dim != next_pow2(head_dim) or block_size != next_pow2(block_size):
         raise ValueError(f"head_dim {head_dim} and block_size {block_size} must be powers of two")
     if sliding_window is not None and sliding_window < 1:

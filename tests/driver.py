@@ -107,18 +107,19 @@ def drive(
     return [reqs[str(i)].out[:max_new] for i in range(len(prompts))]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def chunk_logits(cfg, params, kv, ids, pos, md):
+@functools.partial(jax.jit, static_argnums=0, static_argnames="kv_scales")
+def chunk_logits(cfg, params, kv, ids, pos, md, kv_scales=(1.0, 1.0)):
     with jax.default_matmul_precision(matmul_precision(params)):
-        hidden, kv = forward(params, cfg, ids, pos, kv, paged_attend(cfg, md, Kernels.choose("auto")))
+        hidden, kv = forward(params, cfg, ids, pos, kv, paged_attend(cfg, md, Kernels.choose("auto"), kv_scales=kv_scales))
         return compute_logits(params, cfg, hidden), kv
 
 
-def prompt_logits(cfg, params, prompt: list[int], chunk: int, block_size: int = 8) -> np.ndarray:
-    """Logits at every prompt position, prefilling in chunks over shuffled pages."""
+def prompt_logits(cfg, params, prompt: list[int], chunk: int, block_size: int = 8, kv_cache_dtype: str = "auto",
+                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> np.ndarray:
+    """Logits at every prompt position, prefilling in chunks over shuffled pages (in `kv_cache_dtype`)."""
     length = max(128, -(-len(prompt) // 128) * 128)
     rc = RunnerConfig(max_num_seqs=1, max_model_len=length, block_size=block_size, num_blocks=max(64, length // block_size),
-                      dtype=str(params["embed"].dtype))
+                      dtype=str(params["embed"].dtype), kv_cache_dtype=kv_cache_dtype)
     kv = init_state(cfg, rc).kv
     pages = np.random.default_rng(len(prompt)).permutation(rc.num_blocks)[: rc.max_blocks_per_req].astype(np.int32)
     out = []
@@ -127,6 +128,6 @@ def prompt_logits(cfg, params, prompt: list[int], chunk: int, block_size: int = 
         pos = np.arange(start, start + len(ids), dtype=np.int32)
         slots = pages[pos // block_size] * block_size + pos % block_size
         md = AttentionMetadata(slots, np.array([0, len(ids)], np.int32), np.array([pos[-1] + 1], np.int32), pages[None], np.int32(1))
-        logits, kv = chunk_logits(cfg, params, kv, ids, pos, md)
+        logits, kv = chunk_logits(cfg, params, kv, ids, pos, md, kv_scales=kv_scales)
         out.append(np.asarray(logits))
     return np.concatenate(out)

@@ -5,11 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels.lora import lora_delta, lora_delta_reference, supported
+from pallas_kernels.testing import H200
 
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 
 
 def adapters(rng, in_width: int, parts: tuple[int, ...], num_slots: int, rank: int):

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import (
     KernelConfig,
@@ -26,7 +25,7 @@ from pallas_kernels import (
     write_kv,
 )
 from pallas_kernels.ragged_paged_attention import decode_config
-from pallas_kernels.testing import make_batch, naive_attention
+from pallas_kernels.testing import H200, make_batch, naive_attention
 
 NUM_SMS = 132  # an H200's
 ENTRIES = {"ragged": ragged_paged_attention, "decode": functools.partial(ragged_paged_attention_decode, num_sms=NUM_SMS)}
@@ -242,8 +241,6 @@ def test_step_updates_cache_in_place():
 
 # ------------------------------------------------------------------- GPU lowering, checked on CPU
 
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 
 
 @pytest.mark.parametrize("dtype,head_dim,block_size,group", [

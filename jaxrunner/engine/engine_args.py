@@ -61,12 +61,14 @@ class EngineArgs:
     in one batch, of rank up to `max_lora_rank`; `max_cpu_loras` adapters stay parsed on the host
     (default `max_loras`). `tensor_parallel_size`: devices the model is split over (Megatron style,
     `jaxrunner.parallel`); `data_parallel_size`: replicas of it, each on devices of its own
-    (`engine.data_parallel`; `data_parallel_rank` is the replica an engine is)."""
+    (`engine.data_parallel`; `data_parallel_rank` is the replica an engine is). `kv_cache_dtype`:
+    "auto" (the model's dtype) or "fp8" (e4m3 pages, twice the blocks; `config.RunnerConfig`)."""
 
     model: str | None = None
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -182,6 +184,7 @@ def runner_config(
         block_size=args.block_size,
         num_blocks=1,
         dtype=dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         num_scheduler_steps=args.num_scheduler_steps,
         sampler=args.sampler_config(),
