@@ -34,6 +34,7 @@ MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -66,6 +67,9 @@ def hf_config(model: ModelConfig) -> dict:
     }
     if model.sliding_window is not None:
         config.update(sliding_window=model.sliding_window, use_sliding_window=True)
+    if model.num_experts:  # every layer's MLP sparse (Qwen3-MoE's names)
+        config.update(num_experts=model.num_experts, num_experts_per_tok=model.num_experts_per_tok,
+                      moe_intermediate_size=model.intermediate_size, norm_topk_prob=model.norm_topk_prob)
     return config
 
 
