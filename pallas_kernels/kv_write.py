@@ -85,7 +85,7 @@ def _write_kv_kernel(slot_ref, kv_ref, k_cache_in, v_cache_in, k_cache_ref, v_ca
         block = slot // block_size
         offset = slot % block_size
         for i, dst in enumerate((k_cache_ref, v_cache_ref)):
-            row = plt.load(kv_ref.at[t, i, heads, dims], mask=mask, other=0)
+            row = plt.load(kv_ref.at[t, i, heads, dims], mask=mask, other=0.0)
             plt.store(dst.at[block, offset, heads, dims], row, mask=mask)
 
 

@@ -17,7 +17,13 @@ from driver import prompt_logits
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
 from jaxrunner.loader import load_model
 from jaxrunner.state import kv_cache_bytes
-from pallas_kernels import FP8, ragged_paged_attention, ragged_paged_attention_decode, reference_ragged_paged_attention
+from pallas_kernels import (
+    FP8,
+    ragged_paged_attention,
+    ragged_paged_attention_decode,
+    reference_ragged_paged_attention,
+    write_kv,
+)
 from pallas_kernels.testing import H200, make_batch
 
 DATA = Path(__file__).parent / "data"
@@ -40,14 +46,19 @@ def test_kernels_read_fp8_pages(entry):
         np.testing.assert_allclose(np.asarray(out[:total], np.float32), np.asarray(want[:total], np.float32), atol=3e-2, rtol=3e-2)
 
 
-def test_fp8_kernel_lowers_to_triton_for_h200():
+def test_fp8_kernels_lower_to_triton_for_h200():
+    """Attention and the KV write on fp8 pages (Triton's lowering cannot cast an int fill value to fp8)."""
     sds = jax.ShapeDtypeStruct
     cache = sds((99, 16, 2, 128), FP8)
     args = (sds((64, 8, 128), jnp.bfloat16), cache, cache, sds((9,), jnp.int32), sds((8,), jnp.int32),
             sds((8, 16), jnp.int32), sds((), jnp.int32))
-    for fn in (ragged_paged_attention, functools.partial(ragged_paged_attention_decode, num_sms=132)):
+    kv = sds((64, 2, 128), jnp.bfloat16)
+    fns = [(functools.partial(fn, sm_scale=0.1), args)
+           for fn in (ragged_paged_attention, functools.partial(ragged_paged_attention_decode, num_sms=132))]
+    fns.append((write_kv, (cache, cache, kv, kv, sds((64,), jnp.int32))))
+    for fn, fn_args in fns:
         with jax.sharding.use_abstract_mesh(H200):
-            text = jax.jit(functools.partial(fn, sm_scale=0.1)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            text = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
 
 
