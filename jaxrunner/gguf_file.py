@@ -4,7 +4,8 @@ names, and the tokenizer's metadata, read with the `gguf` package.
 Quantized tensors are dequantized to float32 on the host (`gguf.quants.dequantize`), so the runner
 sees an ordinary float checkpoint. llama.cpp's converter stores the Llama family's q and k
 projections with the two halves of each head's rotary pairs interleaved, for its own RoPE layout;
-`read` undoes that, since our RoPE rotates halves as Hugging Face does (Qwen files are stored as is).
+`read` undoes that, since our RoPE rotates halves as Hugging Face does (Qwen and Gemma files are
+stored as is), and takes back the one it adds to Gemma's norm weights.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 # GGUF's general.architecture -> Hugging Face architecture (and model_type for its config class).
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
 _PERMUTED_QK = ("llama",)
+# llama.cpp's converter stores Gemma's norm weights plus one (its norms scale by the weight itself).
+_NORMS_PLUS_ONE = ("gemma3",)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # not in the file: llama.cpp and transformers both take Gemma 3's own
 
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -36,6 +41,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma's four norms: ffn_norm comes before the MLP and post_attention_norm after attention.
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that change the model's maths in a way jaxrunner does not implement.
@@ -61,7 +72,7 @@ class GGUFFile:
     """An open GGUF file whose architecture, tensor names and quantization types were checked."""
 
     path: str
-    architecture: str  # GGUF's name: llama, qwen2, qwen3
+    architecture: str  # GGUF's name: llama, qwen2, qwen3, gemma3
     metadata: dict  # key -> value, arrays as lists
     tensors: dict  # Hugging Face name -> gguf.ReaderTensor
 
@@ -80,7 +91,13 @@ class GGUFFile:
         num_heads = int(key("attention.head_count"))
         hidden = int(key("embedding_length"))
         config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                        "qwen3": transformers.Qwen3Config}[arch]
+                        "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig}[arch]
+        rope = {"rope_type": "default", "rope_theta": _as_written(key("rope.freq_base", 10000.0))}
+        extra = {}
+        if arch == "gemma3":  # the rest (layer pattern, query scale, GeGLU) as Gemma3TextConfig defaults them
+            rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA}}
+            extra = dict(sliding_window=int(key("attention.sliding_window")),
+                         query_pre_attn_scalar=int(key("attention.key_length", hidden // num_heads)))
         return config_class(
             architectures=[ARCHITECTURES[arch]],
             vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
@@ -92,10 +109,11 @@ class GGUFFile:
             head_dim=int(key("attention.key_length", hidden // num_heads)),
             max_position_embeddings=int(key("context_length")),
             rms_norm_eps=_as_written(key("attention.layer_norm_rms_epsilon")),
-            rope_parameters={"rope_type": "default", "rope_theta": _as_written(key("rope.freq_base", 10000.0))},
+            rope_parameters=rope,
             tie_word_embeddings="lm_head.weight" not in self.tensors,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            **extra,
         )
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -111,6 +129,8 @@ class GGUFFile:
         if self.architecture in _PERMUTED_QK and name.endswith((".q_proj.weight", ".k_proj.weight")):
             heads = self.metadata[f"{self.architecture}.attention.head_count" + ("_kv" if ".k_proj" in name else "")]
             values = _unpermute_rotary(values, int(heads))
+        if self.architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            values = values - 1.0
         return values
 
 
@@ -132,7 +152,7 @@ def open_gguf(path: str) -> GGUFFile:
     for tensor in reader.tensors:
         if tensor.name in _UNSUPPORTED_TENSORS:
             raise ValueError(f"GGUF file {path!r} uses {_UNSUPPORTED_TENSORS[tensor.name]}, which jaxrunner does not support")
-        if (name := _hf_name(tensor.name)) is not None:
+        if (name := _hf_name(tensor.name, arch)) is not None:
             tensors[name] = tensor
     _check_types(path, tensors.values())
     return GGUFFile(path, arch, metadata, tensors)
@@ -144,13 +164,14 @@ def _as_written(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str) -> str | None:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
+    names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match[2] not in _LAYER_NAMES:
+    if match is None or match[2] not in names:
         return None
-    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{names[match[2]]}.{match[3]}"
 
 
 def _check_types(path: str, tensors) -> None:

