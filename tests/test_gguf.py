@@ -133,7 +133,7 @@ def test_gguf_generates_the_safetensors_tokens_and_converts_once(tmp_path, monke
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"arch": "gemma3"}, "'gemma3' model"),
+        ({"arch": "phi3"}, "'phi3' model"),
         ({"qtype": Q.Q8_1}, "Q8_1"),
         ({"extra": {"rope_freqs.weight": np.ones(8, np.float32)}}, "rope scaling"),
     ],
