@@ -71,8 +71,9 @@ class PagedAttention:
     def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, md: AttentionMetadata, *,
                 window: int | None) -> tuple[jax.Array, tuple]:
         kernels = self.kernels
-        k_scale, v_scale = self.kv_scales if kv[0].dtype == FP8 else (1.0, 1.0)
-        if kv[0].dtype == FP8:  # stored divided by the scales, saturated at fp8's range; read back times them
+        fp8 = kv[0].dtype == FP8
+        k_scale, v_scale = self.kv_scales if fp8 else (1.0, 1.0)
+        if fp8:  # stored divided by the scales, saturated at fp8's range; read back times them
             k, v = (jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX) for x, scale in ((k, k_scale), (v, v_scale)))
         options = dict(sm_scale=self.sm_scale * k_scale, sliding_window=window, soft_cap=self.soft_cap)
         if not kernels.pallas:
