@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) and Gemma 2/3 as pure functions over a
 params pytree. Gemma is this decoder with its options (`ModelConfig.gemma`): norms that scale by
 1 + weight and a second norm after attention and after the MLP, a scaled embedding, GeGLU, soft-caps,
-local and global layers with their own windows and RoPE bases.
+local and global layers with their own windows and RoPE bases. Mixtral and Qwen3-MoE are this
+decoder with `models.moe`'s MLP.
 
 Params are plain dicts, every matrix stored [in, out]. Layers are a tuple of per-layer dicts and
 the forward pass unrolls them in Python: XLA then sees one array per layer and never copies a
