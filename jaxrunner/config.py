@@ -106,6 +106,39 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def kv_cache_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The layers of each KV-cache group, full-attention groups first.
+
+        Layers of one group share a block table, so a request holds one list of blocks per group and a
+        sliding group can give back the blocks its window has left behind. Every group has at most
+        `group_size` layers (the smaller of the two kinds' counts, as vLLM's hybrid allocator), and
+        member j of every group keeps its pages in the same arrays: one block id then means the same
+        number of bytes in any group, and all groups draw on one pool of blocks.
+        """
+        kinds = ([i for i in range(self.num_layers) if self.layer_window(i) is None],
+                 [i for i in range(self.num_layers) if self.layer_window(i) is not None])
+        size = self.group_size
+        return tuple(tuple(layers[i : i + size]) for layers in kinds for i in range(0, len(layers), size))
+
+    @property
+    def group_size(self) -> int:
+        """Layers per KV-cache group, hence the number of (k, v) page arrays of the cache."""
+        full = sum(self.layer_window(i) is None for i in range(self.num_layers))
+        return min(full, self.num_layers - full) or self.num_layers
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """The sliding window of each KV-cache group's layers (None: full attention)."""
+        return tuple(self.layer_window(layers[0]) for layers in self.kv_cache_groups)
+
+    def kv_slot(self, layer: int) -> tuple[int, int]:
+        """(group, member) of a layer: its block table and its (k, v) page arrays."""
+        for g, layers in enumerate(self.kv_cache_groups):
+            if layer in layers:
+                return g, layers.index(layer)
+        raise ValueError(f"layer {layer} out of range: the model has {self.num_layers} layers")
+
     @classmethod
     def from_hf(cls, path: str | os.PathLike) -> ModelConfig:
         """Read `config.json` from a local checkpoint directory."""

@@ -36,7 +36,7 @@ class RequestRow:
     prompt_len: int
     sampling_params: SamplingParams
     sampling: RequestSampling  # the parameters packed for the sampler, with the request's 64-bit seed
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group
     num_computed: int  # tokens whose KV is in the cache
     num_tokens: int  # tokens known so far: prefill + sampled
     lora_id: int = 0  # its LoRA adapter's lora_int_id (0: the base model)
@@ -55,7 +55,7 @@ class RequestTable:
         self, sched: SchedulerOutput, cfg: RunnerConfig, model: ModelConfig, rng: np.random.Generator
     ) -> tuple[RequestTable, list[str]]:
         """The table after `sched`, and the requests whose block-table rows changed."""
-        _check(self, sched, cfg, model.vocab_size)
+        _check(self, sched, cfg, model.vocab_size, len(model.kv_cache_groups))
         packed = [
             prepare_request(n.sampling_params, 0, len(n.prompt_token_ids), cfg.sampler, model.vocab_size,
                             model.eos_token_ids)
@@ -75,19 +75,19 @@ class RequestTable:
                 prompt_len=len(new.prompt_token_ids),
                 sampling_params=sp,
                 sampling=replace(sampling, seed=seed),
-                block_ids=tuple(new.block_ids[0]),
+                block_ids=tuple(map(tuple, new.block_ids)),
                 num_computed=new.num_computed_tokens,
                 num_tokens=len(prefill),
                 lora_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
             )
         cached = sched.scheduled_cached_reqs
         for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-            extra = tuple(blocks[0]) if blocks else ()
             row = rows[rid]
+            block_ids = tuple(old + tuple(fresh) for old, fresh in zip(row.block_ids, blocks)) if blocks else row.block_ids
             known = computed + 1 if is_relative(row, cfg) else row.num_tokens
-            rows[rid] = replace(row, block_ids=row.block_ids + extra, num_computed=computed, num_tokens=known)
+            rows[rid] = replace(row, block_ids=block_ids, num_computed=computed, num_tokens=known)
         dirty = [n.req_id for n in sched.scheduled_new_reqs]
-        dirty += [rid for rid, blocks in zip(cached.req_ids, cached.new_block_ids) if blocks and blocks[0]]
+        dirty += [rid for rid, blocks in zip(cached.req_ids, cached.new_block_ids) if blocks and any(blocks)]
         return RequestTable(rows, tuple(free)), dirty
 
     def advance(self, computed: dict[str, int], sampled: dict[str, int]) -> RequestTable:
@@ -114,7 +114,7 @@ def is_relative(row: RequestRow, cfg: RunnerConfig) -> bool:
     return cfg.speculative.enabled and row.num_tokens > len(row.prefill_token_ids)
 
 
-def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab_size: int) -> None:
+def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab_size: int, num_groups: int) -> None:
     def bad(msg: str) -> None:
         raise ValueError(f"SchedulerOutput rejected: {msg}")
 
@@ -151,7 +151,8 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
     if total > cfg.max_num_batched_tokens:
         bad(f"{total} scheduled tokens exceed the largest bucket, max_num_batched_tokens={cfg.max_num_batched_tokens}")
 
-    def check_request(rid: str, block_ids: list[int], computed: int, known: int, prompt_len: int, sp: SamplingParams) -> None:
+    def check_request(rid: str, groups: list[list[int]], computed: int, known: int, prompt_len: int,
+                      sp: SamplingParams) -> None:
         n = sched.num_scheduled_tokens[rid]
         if n < 1:
             bad(f"request {rid!r}: num_scheduled_tokens must be at least 1, got {n}")
@@ -167,14 +168,18 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
             if sp.prompt_logprobs is not None and computed < prompt_len:
                 bad(f"request {rid!r} wants prompt logprobs: schedule its prompt with num_steps=1")
             reach = computed + decode_steps(sched.num_steps, known, known - prompt_len, sp, cfg.max_model_len)
-        if outside := [b for b in block_ids if not 0 <= b < cfg.num_blocks]:
-            bad(f"request {rid!r}: block ids {outside[:5]} outside the cache (num_blocks={cfg.num_blocks})")
-        if len(block_ids) > cfg.max_blocks_per_req:
-            bad(f"request {rid!r}: {len(block_ids)} blocks exceed max_model_len / block_size = {cfg.max_blocks_per_req}")
         reach = min(reach + cfg.speculative.num_lookahead_tokens, cfg.max_model_len)
-        if len(block_ids) * cfg.block_size < reach:
-            ahead = " (with the draft model's lookahead)" if cfg.speculative.num_lookahead_tokens else ""
-            bad(f"request {rid!r}: {len(block_ids)} blocks cannot hold {reach} tokens{ahead} (block_size={cfg.block_size})")
+        for g, block_ids in enumerate(groups):
+            of = f" of KV-cache group {g}" if num_groups > 1 else ""
+            if outside := [b for b in block_ids if not 0 <= b < cfg.num_blocks]:
+                bad(f"request {rid!r}: block ids {outside[:5]}{of} outside the cache (num_blocks={cfg.num_blocks})")
+            if len(block_ids) > cfg.max_blocks_per_req:
+                bad(f"request {rid!r}: {len(block_ids)} blocks{of} exceed max_model_len / block_size = "
+                    f"{cfg.max_blocks_per_req}")
+            if len(block_ids) * cfg.block_size < reach:
+                ahead = " (with the draft model's lookahead)" if cfg.speculative.num_lookahead_tokens else ""
+                bad(f"request {rid!r}: {len(block_ids)} blocks{of} cannot hold {reach} tokens{ahead} "
+                    f"(block_size={cfg.block_size})")
 
     for new in sched.scheduled_new_reqs:
         tokens = new.all_prefill_token_ids
@@ -182,15 +187,17 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
             bad(f"request {new.req_id!r} has an empty prompt")
         if outside := [t for t in tokens if not 0 <= t < vocab_size]:
             bad(f"request {new.req_id!r}: token ids {outside[:5]} outside the vocabulary (size {vocab_size})")
-        if len(new.block_ids) != 1:
-            bad(f"request {new.req_id!r}: block_ids must hold one list (one KV-cache group), got {len(new.block_ids)}")
-        check_request(new.req_id, list(new.block_ids[0]), new.num_computed_tokens, len(tokens),
+        if len(new.block_ids) != num_groups:
+            bad(f"request {new.req_id!r}: block_ids must hold one list per KV-cache group ({num_groups}), "
+                f"got {len(new.block_ids)}")
+        check_request(new.req_id, list(map(list, new.block_ids)), new.num_computed_tokens, len(tokens),
                       len(new.prompt_token_ids), new.sampling_params)
     for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
         row = table.rows[rid]
-        if blocks is not None and len(blocks) != 1:
-            bad(f"request {rid!r}: new_block_ids must hold one list (one KV-cache group)")
-        all_blocks = list(row.block_ids) + (list(blocks[0]) if blocks else [])
+        if blocks is not None and len(blocks) != num_groups:
+            bad(f"request {rid!r}: new_block_ids must hold one list per KV-cache group ({num_groups}), "
+                f"got {len(blocks)}")
+        all_blocks = [list(old) + list(fresh) for old, fresh in zip(row.block_ids, blocks)] if blocks else row.block_ids
         known = computed + 1 + len(sched.scheduled_spec_decode_tokens.get(rid, ())) if is_relative(row, cfg) else row.num_tokens
         check_request(rid, all_blocks, computed, known, row.prompt_len, row.sampling_params)
 
@@ -390,11 +397,14 @@ def build_inputs(
 
 
 def block_table_rows(table: RequestTable, req_ids: list[str], cfg: RunnerConfig, bucket: int) -> tuple[np.ndarray, np.ndarray]:
-    """Slots and full block-table rows of the given requests, padded to `bucket` (padding slot is dropped)."""
+    """Slots and full block-table rows [groups, bucket, max_blocks] of the given requests, padded to
+    `bucket` (padding slot is dropped)."""
     slots = np.full(bucket, cfg.max_num_seqs, np.int32)
-    data = np.zeros((bucket, cfg.max_blocks_per_req), np.int32)
+    groups = len(table.rows[req_ids[0]].block_ids)
+    data = np.zeros((groups, bucket, cfg.max_blocks_per_req), np.int32)
     for i, rid in enumerate(req_ids):
         row = table.rows[rid]
         slots[i] = row.slot
-        data[i, : len(row.block_ids)] = row.block_ids
+        for g, block_ids in enumerate(row.block_ids):
+            data[g, i, : len(block_ids)] = block_ids
     return slots, data

@@ -174,7 +174,8 @@ class Kind:
 def _write_blocks_examples(ctx: Context) -> Iterator[Example]:
     cfg = ctx.config
     for b in reversed(cfg.request_buckets):
-        yield (ctx.state, np.full(b, cfg.max_num_seqs, np.int32), np.zeros((b, cfg.max_blocks_per_req), np.int32)), {}
+        rows = np.zeros((len(ctx.model.kv_cache_groups), b, cfg.max_blocks_per_req), np.int32)
+        yield (ctx.state, np.full(b, cfg.max_num_seqs, np.int32), rows), {}
 
 
 def _forward_examples(ctx: Context) -> Iterator[Example]:

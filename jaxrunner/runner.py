@@ -95,6 +95,14 @@ class _Forwarded:
     flags: SamplerFlags
 
 
+def _draft_fits(target: ModelConfig, draft: ModelConfig) -> bool:
+    """Whether the draft's layers can read the blocks the target's one group keeps."""
+    if len(target.kv_cache_groups) != 1 or len(draft.kv_cache_groups) != 1:
+        return False
+    (window,), (draft_window,) = target.group_windows, draft.group_windows
+    return window is None or draft_window is not None and draft_window <= window
+
+
 class Runner:
     """`draft`: the draft model's (config, params), for speculative decoding with method "draft_model"."""
 
@@ -109,6 +117,11 @@ class Runner:
         if draft is not None and draft[0].vocab_size != model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft[0].vocab_size} tokens) differs from the target's "
                              f"({model_config.vocab_size}); speculative decoding needs the same tokenizer")
+        if draft is not None and not _draft_fits(model_config, draft[0]):
+            raise ValueError(f"a draft model reads the target's block table, so both need one KV-cache group and the "
+                             f"draft a window no wider than the target's; the target has {len(model_config.kv_cache_groups)} "
+                             f"groups (window {model_config.sliding_window}), the draft {len(draft[0].kv_cache_groups)} "
+                             f"(window {draft[0].sliding_window}); use ngram speculation for this model")
         if config.lora.enabled and model_config.num_experts:
             raise ValueError(f"LoRA adapters on Mixture-of-Experts models ({model_config.architecture}) are not "
                              "supported yet; run without enable_lora")

@@ -27,8 +27,10 @@ from jaxrunner.pytree import pytree_dataclass
 @pytree_dataclass
 class RunnerState:
     token_ids: jax.Array  # i32 [max_num_seqs, max_model_len]: prefill tokens, sampled tokens, then drafts
-    block_table: jax.Array  # i32 [max_num_seqs, max_blocks_per_req]
-    kv: tuple  # per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: jax.Array  # i32 [kv-cache groups, max_num_seqs, max_blocks_per_req]
+    # per member of a KV-cache group (`ModelConfig.kv_cache_groups`; per layer when there is one group)
+    # (k, v), each [num_blocks, block_size, num_kv_heads, head_dim]
+    kv: tuple
     lens: jax.Array  # i32 [max_num_seqs] (speculative decoding; else [0]): tokens known per row
     draft_kv: tuple  # the draft model's `kv` (else ())
     draft_probs: jax.Array  # f32 [max_num_seqs, k, V]: the drafts' q (draft model; else [0, 0, 0])
@@ -45,7 +47,7 @@ def state_specs(state: RunnerState) -> RunnerState:
 def kv_cache_bytes(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None = None) -> int:
     """Bytes of the KV cache: the model's, plus the draft model's (it shares the pages' block ids)."""
     def per_model(m: ModelConfig) -> int:
-        return 2 * cfg.num_blocks * cfg.block_size * m.num_kv_heads * m.head_dim * m.num_layers
+        return 2 * cfg.num_blocks * cfg.block_size * m.num_kv_heads * m.head_dim * m.group_size
 
     return (per_model(model) + (per_model(draft) if draft is not None else 0)) * cfg.kv_dtype.itemsize
 
@@ -53,13 +55,13 @@ def kv_cache_bytes(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | N
 def init_state(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None = None) -> RunnerState:
     def pages(m: ModelConfig) -> tuple:
         page = (cfg.num_blocks, cfg.block_size, m.num_kv_heads, m.head_dim)
-        return tuple((jnp.zeros(page, cfg.kv_dtype), jnp.zeros(page, cfg.kv_dtype)) for _ in range(m.num_layers))
+        return tuple((jnp.zeros(page, cfg.kv_dtype), jnp.zeros(page, cfg.kv_dtype)) for _ in range(m.group_size))
 
     spec = cfg.speculative.num_speculative_tokens
     rows = cfg.max_num_seqs
     return RunnerState(
         token_ids=jnp.zeros((rows, cfg.max_model_len), jnp.int32),
-        block_table=jnp.zeros((rows, cfg.max_blocks_per_req), jnp.int32),
+        block_table=jnp.zeros((len(model.kv_cache_groups), rows, cfg.max_blocks_per_req), jnp.int32),
         kv=pages(model),
         lens=jnp.zeros(rows if spec else 0, jnp.int32),
         draft_kv=pages(draft) if draft is not None else (),

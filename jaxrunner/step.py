@@ -98,7 +98,8 @@ def matmul_precision(params: Params) -> str:
 
 
 def write_block_rows(state: RunnerState, slots: jax.Array, rows: jax.Array) -> RunnerState:
-    table = state.block_table.at[slots].set(rows, mode="drop")
+    """`rows` [groups, len(slots), max_blocks]: each slot's row of every KV-cache group's table."""
+    table = state.block_table.at[:, slots].set(rows, mode="drop")
     return dataclasses.replace(state, block_table=table)
 
 
@@ -121,22 +122,22 @@ def backbone(
     max_loras: int = 0,
 ) -> tuple[jax.Array, tuple]:
     """One model over the batch `inp` (absolute positions) with its paged cache `kv` (an fp8 one's
-    `kv_scales`), and its LoRA slots (() for none): (hidden [T, H], kv)."""
+    `kv_scales`), and its LoRA slots (() for none): (hidden [T, H], kv). Its KV-cache groups are
+    the first of the state's block tables (a draft model has one group, the target's only one)."""
     num_rows = state.token_ids.shape[0]
     block_size = kv[0][0].shape[1]
     rows = jnp.minimum(inp.token_rows, num_rows - 1)
-    block = state.block_table[rows, inp.positions // block_size]
+    tables = state.block_table[: len(model.kv_cache_groups)]
+    blocks = tables[:, rows, inp.positions // block_size]
     inside = (inp.token_rows < num_rows) & (inp.positions < state.token_ids.shape[1])  # proposals may run past the end
-    slot_mapping = jnp.where(inside, block * block_size + inp.positions % block_size, -1)
-    md = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        query_start_loc=inp.query_start_loc,
-        seq_lens=inp.seq_lens,
-        block_tables=state.block_table[inp.seq_rows],
-        num_seqs=inp.num_seqs,
+    slot_mapping = jnp.where(inside, blocks * block_size + inp.positions % block_size, -1)
+    seq_tables = tables[:, inp.seq_rows]
+    attend = tuple(
+        paged_attend(model, AttentionMetadata(slot_mapping[g], inp.query_start_loc, inp.seq_lens, seq_tables[g],
+                                              inp.num_seqs),
+                     kernels, uniform_decode=uniform_decode, queries_per_seq=queries_per_seq, kv_scales=kv_scales)
+        for g in range(len(model.kv_cache_groups))
     )
-    attend = paged_attend(model, md, kernels, uniform_decode=uniform_decode, queries_per_seq=queries_per_seq,
-                          kv_scales=kv_scales)
     mask = slot_mask(inp.lora_slots, max_loras, params["embed"].dtype) if lora else None
     with jax.default_matmul_precision(matmul_precision(params)):
         return forward(params, model, ids, inp.positions, kv, attend, lora, mask)

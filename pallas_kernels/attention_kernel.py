@@ -15,7 +15,8 @@ One program handles one *work item* for one KV head and one KV split:
 The key loop runs in three phases: blocks cut by the sliding window's lower edge (masked), blocks
 every row sees whole (no mask, no load predicate: the bulk of a long context), and blocks cut by
 the causal diagonal or the end of the context (masked). Masked K/V loads read zeros past the
-context, so unwritten cache rows never reach the output (even NaN ones).
+context and before the window, so unwritten cache rows never reach the output (even NaN ones), nor
+do the pages a sliding group gave back, which may hold another request's keys by now.
 
 Everything indexes with explicit integer arrays (pointer arithmetic under Triton), which the Triton
 lowering and interpret mode both accept; interpret mode runs the same kernel on CPU for tests.
@@ -121,7 +122,7 @@ def _kernel(work_ref, q_ref, k_ref, v_ref, bt_ref, *out_refs, spec: AttentionSpe
         page = bt_ref[seq, jnp.minimum(j >> page_shift, max_pages - 1)]
         idx = (page[:, None], (j & (block_size - 1))[:, None], kv_head, d)
         if masked:
-            key_ok = (j < kv_hi)[:, None]
+            key_ok = ((j >= kv_lo) & (j < kv_hi))[:, None]
             k = plt.load(k_ref.at[idx], mask=key_ok, other=0.0)
             v = plt.load(v_ref.at[idx], mask=key_ok, other=0.0)
         else:

@@ -206,7 +206,9 @@ def reference_ragged_paged_attention(
 ) -> jax.Array:
     """Pure-jnp ragged paged attention in fp32: each token's keys gathered a chunk of pages at a time,
     with an online softmax, for as many chunks as the longest context needs (a loop bound read at run
-    time), so a step costs what its contexts hold, not what max_model_len allows."""
+    time), so a step costs what its contexts hold, not what max_model_len allows. With a sliding
+    window the loop starts at the first chunk any query sees: the pages before it may have been
+    given back to the pool (`block_manager`) and hold another request's keys."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_slots, max_blocks = block_tables.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -231,15 +233,15 @@ def reference_ragged_paged_attention(
         pages = jax.lax.dynamic_slice_in_dim(table, c * pages_per_chunk, pages_per_chunk, axis=1)[seq]
         keys = c * chunk + jnp.arange(chunk)
         in_context = keys[None, :] < context[:, None]
+        if sliding_window is not None:
+            in_context &= keys[None, :] > pos[:, None] - sliding_window
 
-        def gather(cache):  # past each context zeros, so unwritten (even NaN) cache rows cannot leak in
+        def gather(cache):  # outside each context zeros, so unwritten (even NaN) cache rows cannot leak in
             rows = cache[pages].reshape(num_tokens, chunk, num_kv_heads, head_dim).astype(jnp.float32)
             return jnp.where(in_context[:, :, None, None], rows, 0.0)
 
         k, v = gather(k_cache), gather(v_cache)
         visible = in_context & (keys[None, :] <= pos[:, None]) & token_ok[:, None]
-        if sliding_window is not None:
-            visible &= keys[None, :] > pos[:, None] - sliding_window
         s = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=hi) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -254,6 +256,10 @@ def reference_ragged_paged_attention(
 
     heads = (num_tokens, num_kv_heads, group)
     init = (jnp.full(heads, -jnp.inf), jnp.zeros(heads), jnp.zeros((*heads, head_dim)))
-    _, den, acc = jax.lax.fori_loop(0, (longest + chunk - 1) // chunk, add_chunk, init)
+    first = 0
+    if sliding_window is not None:
+        lowest = jnp.min(jnp.where(token_ok, pos, jnp.iinfo(jnp.int32).max))
+        first = jnp.maximum(lowest - sliding_window + 1, 0) // chunk
+    _, den, acc = jax.lax.fori_loop(first, (longest + chunk - 1) // chunk, add_chunk, init)
     out = acc / jnp.where(den == 0.0, 1.0, den)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

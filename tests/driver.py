@@ -26,7 +26,7 @@ class _Req:
     params: SamplingParams
     arrival: int
     out: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)  # per KV-cache group
     computed: int = 0
     running: bool = False
 
@@ -55,6 +55,7 @@ def drive(
     params = params or [SamplingParams(temperature=0.0)] * len(prompts)
     reqs = {str(i): _Req(list(p), sp, i * stagger) for i, (p, sp) in enumerate(zip(prompts, params))}
     state = runner.init_state()
+    groups = len(runner.model_config.kv_cache_groups)
     finished: set[str] = set()
     step = 0
     while any(len(r.out) < max_new for r in reqs.values()):
@@ -62,7 +63,7 @@ def drive(
         for i in (preempt or {}).get(step, []):
             r = reqs[str(i)]
             if r.running and len(r.out) < max_new:
-                free += r.blocks
+                free += sum(r.blocks, [])
                 r.blocks, r.computed, r.running = [], 0, False
                 preempted.add(str(i))
         new, cached, scheduled = [], CachedRequestData(), {}
@@ -71,15 +72,18 @@ def drive(
                 continue
             known = r.prompt + r.out
             n = min(len(known) - r.computed, chunk or len(known))
-            need = -(-(r.computed + n) // cfg.block_size) - len(r.blocks)
-            fresh = [free.pop() for _ in range(need)]
-            r.blocks += fresh
+            r.blocks = r.blocks or [[] for _ in range(groups)]
+            need = -(-(r.computed + n) // cfg.block_size) - len(r.blocks[0])
+            fresh = tuple([free.pop() for _ in range(need)] for _ in range(groups))
+            for blocks, more in zip(r.blocks, fresh):
+                blocks += more
             if r.running:
                 cached.req_ids.append(rid)
-                cached.new_block_ids.append((fresh,) if fresh else None)
+                cached.new_block_ids.append(fresh if need else None)
                 cached.num_computed_tokens.append(r.computed)
             else:
-                new.append(NewRequestData(rid, r.prompt, (list(r.blocks),), r.computed, r.params, prefill_token_ids=known))
+                new.append(NewRequestData(rid, r.prompt, tuple(map(list, r.blocks)), r.computed, r.params,
+                                          prefill_token_ids=known))
                 r.running = True
             scheduled[rid] = n
         sched = SchedulerOutput(
@@ -99,7 +103,7 @@ def drive(
             r.computed += scheduled[rid]
             r.out += toks
             if len(r.out) >= max_new:
-                free += r.blocks
+                free += sum(r.blocks, [])
                 r.blocks, r.running = [], False
                 finished.add(rid)
         step += 1
@@ -110,24 +114,29 @@ def drive(
 @functools.partial(jax.jit, static_argnums=0, static_argnames="kv_scales")
 def chunk_logits(cfg, params, kv, ids, pos, md, kv_scales=(1.0, 1.0)):
     with jax.default_matmul_precision(matmul_precision(params)):
-        hidden, kv = forward(params, cfg, ids, pos, kv, paged_attend(cfg, md, Kernels.choose("auto"), kv_scales=kv_scales))
+        attend = tuple(paged_attend(cfg, group, Kernels.choose("auto"), kv_scales=kv_scales) for group in md)
+        hidden, kv = forward(params, cfg, ids, pos, kv, attend)
         return compute_logits(params, cfg, hidden), kv
 
 
 def prompt_logits(cfg, params, prompt: list[int], chunk: int, block_size: int = 8, kv_cache_dtype: str = "auto",
                   kv_scales: tuple[float, float] = (1.0, 1.0)) -> np.ndarray:
-    """Logits at every prompt position, prefilling in chunks over shuffled pages (in `kv_cache_dtype`)."""
+    """Logits at every prompt position, prefilling in chunks over shuffled pages (in `kv_cache_dtype`),
+    each KV-cache group in pages of its own."""
     length = max(128, -(-len(prompt) // 128) * 128)
-    rc = RunnerConfig(max_num_seqs=1, max_model_len=length, block_size=block_size, num_blocks=max(64, length // block_size),
-                      dtype=str(params["embed"].dtype), kv_cache_dtype=kv_cache_dtype)
+    groups = len(cfg.kv_cache_groups)
+    rc = RunnerConfig(max_num_seqs=1, max_model_len=length, block_size=block_size,
+                      num_blocks=max(64, groups * length // block_size), dtype=str(params["embed"].dtype),
+                      kv_cache_dtype=kv_cache_dtype)
     kv = init_state(cfg, rc).kv
-    pages = np.random.default_rng(len(prompt)).permutation(rc.num_blocks)[: rc.max_blocks_per_req].astype(np.int32)
+    pages = np.random.default_rng(len(prompt)).permutation(rc.num_blocks)[: groups * rc.max_blocks_per_req]
+    pages = pages.reshape(groups, rc.max_blocks_per_req).astype(np.int32)
     out = []
     for start in range(0, len(prompt), chunk):
         ids = np.asarray(prompt[start : start + chunk], np.int32)
         pos = np.arange(start, start + len(ids), dtype=np.int32)
-        slots = pages[pos // block_size] * block_size + pos % block_size
-        md = AttentionMetadata(slots, np.array([0, len(ids)], np.int32), np.array([pos[-1] + 1], np.int32), pages[None], np.int32(1))
+        md = tuple(AttentionMetadata(table[pos // block_size] * block_size + pos % block_size, np.array([0, len(ids)], np.int32),
+                                     np.array([pos[-1] + 1], np.int32), table[None], np.int32(1)) for table in pages)
         logits, kv = chunk_logits(cfg, params, kv, ids, pos, md, kv_scales=kv_scales)
         out.append(np.asarray(logits))
     return np.concatenate(out)

@@ -5,6 +5,8 @@ carry all their blocks, a token is sampled only when the known tokens are all co
 model whose "KV cache" stores token ids. Each step writes the scheduled tokens into their slots and
 reads every scheduled request's context back through its block table, so a block handed to the
 wrong request, shared when it should not be or evicted while in use shows up as a wrong context.
+With several KV-cache groups (`windows`, one per group) every group's blocks get the tokens, and a
+sliding group's are read back over its window only.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def reference_output(prompt: list[int], max_tokens: int, max_model_len: int, eos
 @dataclass
 class _Row:
     tokens: list[int]
-    blocks: list[int]
+    blocks: list[list[int]]  # per KV-cache group
     computed: int
     prompt_len: int
     params: SamplingParams
@@ -49,8 +51,10 @@ class _Row:
 
 class FakeRunner:
     def __init__(
-        self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 64
+        self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 64,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
+        self.windows = windows
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -66,14 +70,16 @@ class FakeRunner:
             assert new.req_id not in self.rows
             assert new.num_computed_tokens % bs == 0
             self.rows[new.req_id] = _Row(
-                list(new.all_prefill_token_ids), list(new.block_ids[0]), new.num_computed_tokens,
+                list(new.all_prefill_token_ids), [list(g) for g in new.block_ids], new.num_computed_tokens,
                 len(new.prompt_token_ids), new.sampling_params,
             )
         cached = sched.scheduled_cached_reqs
         for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             row = self.rows[rid]
             assert row.computed == computed, f"{rid}: scheduler says {computed} computed, runner has {row.computed}"
-            row.blocks += blocks[0] if blocks else []
+            assert blocks is None or len(blocks) == len(self.windows) and any(blocks)
+            for held, more in zip(row.blocks, blocks or ()):
+                held += more
         assert len(self.rows) <= self.max_num_seqs
         assert sched.total_num_scheduled_tokens == sum(sched.num_scheduled_tokens.values())
         assert sched.total_num_scheduled_tokens <= self.max_num_batched_tokens
@@ -90,15 +96,20 @@ class FakeRunner:
         if num_steps > 1:
             assert n == 1 and row.computed + 1 == len(row.tokens), "multi-step with a non-decode"
             steps = decode_steps(num_steps, len(row.tokens), len(row.tokens) - row.prompt_len, row.params, self.max_model_len)
-        assert len(row.blocks) * bs >= row.computed + max(n, steps), "blocks do not cover the scheduled tokens"
+        assert all(len(held) * bs >= row.computed + max(n, steps) for held in row.blocks), \
+            "blocks do not cover the scheduled tokens"
         out = []
         for _ in range(steps):
             assert n >= 1 and row.computed + n <= len(row.tokens)
-            for pos in range(row.computed, row.computed + n):
-                self.cache[row.blocks[pos // bs]][pos % bs] = row.tokens[pos]
+            for held in row.blocks:
+                for pos in range(row.computed, row.computed + n):
+                    self.cache[held[pos // bs]][pos % bs] = row.tokens[pos]
             row.computed += n
-            context = [self.cache[row.blocks[p // bs]][p % bs] for p in range(row.computed)]
-            assert context == row.tokens[: row.computed], "the KV cache holds another request's tokens"
+            for held, window in zip(row.blocks, self.windows):
+                first = 0 if window is None else max(0, row.computed - window)
+                context = [self.cache[held[p // bs]][p % bs] for p in range(first, row.computed)]
+                assert context == row.tokens[first : row.computed], "the KV cache holds another request's tokens"
+            context = row.tokens[: row.computed]
             if row.computed < len(row.tokens):
                 return out
             row.tokens.append(next_token(context))
@@ -112,12 +123,14 @@ def check_block_invariants(bm: BlockManager) -> None:
     """Reference counts equal owners; the free queue is exactly the unowned blocks; a block held by
     several requests is a cached full block; the hash map and the blocks' hashes agree."""
     owners = [0] * bm.num_blocks
-    for blocks in bm.req_blocks.values():
+    for groups in bm.req_blocks.values():
+        assert len(groups) == len(bm.windows) and len({len(held) for held in groups}) == 1
+        blocks = [b for held in groups for b in held if b >= bm.num_reserved]  # the null block is no one's
         assert len(set(blocks)) == len(blocks), "a request holds a block twice"
         for b in blocks:
             owners[b] += 1
-    assert owners == bm.ref_counts
-    assert set(bm.free_queue) == {b for b in range(bm.num_blocks) if bm.ref_counts[b] == 0}
+    assert owners[bm.num_reserved :] == bm.ref_counts[bm.num_reserved :]
+    assert set(bm.free_queue) == {b for b in range(bm.num_reserved, bm.num_blocks) if bm.ref_counts[b] == 0}
     assert all(bm.block_hash[b] is not None for b in range(bm.num_blocks) if bm.ref_counts[b] > 1)
     assert {b: h for h, b in bm.cached.items()} == {b: h for b, h in enumerate(bm.block_hash) if h is not None}
 
@@ -127,5 +140,5 @@ def check_scheduler_invariants(scheduler: Scheduler) -> None:
     check_block_invariants(bm)
     assert len(scheduler.running) <= cfg.max_num_seqs
     for request in scheduler.running:
-        assert len(bm.block_ids(request.req_id)) * bm.block_size >= request.num_computed_tokens
-    assert all(not bm.block_ids(r.req_id) for r in scheduler.waiting), "a waiting request holds blocks"
+        assert all(len(held) * bm.block_size >= request.num_computed_tokens for held in bm.block_ids(request.req_id))
+    assert all(not any(bm.block_ids(r.req_id)) for r in scheduler.waiting), "a waiting request holds blocks"

@@ -16,7 +16,7 @@ def request(req_id: str, tokens: list[int], outputs: list[int] = ()) -> Request:
     return Request(req_id, list(tokens), SamplingParams(), max_tokens=16, output_token_ids=list(outputs))
 
 
-def admit(bm: BlockManager, req: Request, num_new_tokens: int | None = None) -> list[int] | None:
+def admit(bm: BlockManager, req: Request, num_new_tokens: int | None = None) -> tuple[list[int], ...] | None:
     """What the scheduler does for a waiting request: look up the prefix cache, then allocate."""
     hits, num_hit = bm.get_computed_blocks(req)
     n = req.num_tokens - num_hit if num_new_tokens is None else num_new_tokens
@@ -29,15 +29,15 @@ def admit(bm: BlockManager, req: Request, num_new_tokens: int | None = None) -> 
 def test_allocate_covers_tokens_and_free_returns_everything():
     bm = BlockManager(num_blocks=8, block_size=BS)
     req = request("a", range(10))
-    fresh = admit(bm, req)
-    assert len(fresh) == 3 and bm.block_ids("a") == fresh and bm.num_free_blocks == 5
+    (fresh,) = admit(bm, req)
+    assert len(fresh) == 3 and bm.block_ids("a") == (fresh,) and bm.num_free_blocks == 5
     for position in (10, 11, 12):  # decode steps: positions 10 and 11 fit in the third block
         req.output_token_ids.append(90 + position)
-        assert len(bm.allocate_slots(req, 1)) == (position == 12)
+        assert len(bm.allocate_slots(req, 1)[0]) == (position == 12)
         req.num_computed_tokens += 1
     check_block_invariants(bm)
     bm.free(req)
-    assert bm.num_free_blocks == 8 and bm.block_ids("a") == []
+    assert bm.num_free_blocks == 8 and bm.block_ids("a") == ([],)
     check_block_invariants(bm)
 
 
@@ -47,14 +47,14 @@ def test_shared_prefix_hits_full_blocks_and_counts_references():
     admit(bm, a)
     b = request("b", list(range(9)) + [77, 78])
     hits, num_hit = bm.get_computed_blocks(b)
-    assert hits == bm.block_ids("a")[:2] and num_hit == 8
+    assert hits == (bm.block_ids("a")[0][:2],) and num_hit == 8
     admit(bm, b)
-    assert bm.block_ids("b")[:2] == bm.block_ids("a")[:2]
-    assert [bm.ref_counts[x] for x in bm.block_ids("a")] == [2, 2, 1]
+    assert bm.block_ids("b")[0][:2] == bm.block_ids("a")[0][:2]
+    assert [bm.ref_counts[x] for x in bm.block_ids("a")[0]] == [2, 2, 1]
     assert bm.stats.queries == 21 and bm.stats.hits == 8
     check_block_invariants(bm)
     bm.free(a)
-    assert [bm.ref_counts[x] for x in bm.block_ids("b")] == [1, 1, 1]
+    assert [bm.ref_counts[x] for x in bm.block_ids("b")[0]] == [1, 1, 1]
     check_block_invariants(bm)
 
 
@@ -97,7 +97,7 @@ def test_hit_revives_a_freed_block_and_recent_frees_are_evicted_last():
     bm.free(b)
     a2 = request("a2", range(5))
     admit(bm, a2)  # revives a's first block from the free queue
-    assert bm.block_ids("a2")[0] == bm.cached[hash_block(b"", [0, 1, 2, 3])]
+    assert bm.block_ids("a2")[0][0] == bm.cached[(0, hash_block(b"", [0, 1, 2, 3]))]
     check_block_invariants(bm)
     # Two fresh blocks: the last never-used one, then a's tail (freed before b's); b's blocks survive.
     admit(bm, request("z", range(200, 207)))
@@ -121,7 +121,7 @@ def test_failed_allocation_changes_nothing():
 def test_caching_disabled_never_hits():
     bm = BlockManager(num_blocks=8, block_size=BS, enable_caching=False)
     admit(bm, request("a", range(9)))
-    assert bm.get_computed_blocks(request("b", range(9))) == ([], 0)
+    assert bm.get_computed_blocks(request("b", range(9))) == (([],), 0)
     assert not bm.cached and bm.stats.queries == 0
 
 
@@ -130,8 +130,8 @@ def test_prompt_logprobs_requests_skip_the_cache_but_fill_it():
     bm = BlockManager(num_blocks=16, block_size=BS)
     scored = Request("a", list(range(9)), SamplingParams(prompt_logprobs=2), max_tokens=16)
     admit(bm, scored)
-    assert bm.get_computed_blocks(request("b", range(9))) == (bm.block_ids("a")[:2], 8)
-    assert bm.get_computed_blocks(scored) == ([], 0)
+    assert bm.get_computed_blocks(request("b", range(9))) == ((bm.block_ids("a")[0][:2],), 8)
+    assert bm.get_computed_blocks(scored) == (([],), 0)
     check_block_invariants(bm)
 
 

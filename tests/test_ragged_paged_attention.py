@@ -8,6 +8,7 @@ this module) and then runs several fresh random batches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -165,6 +166,28 @@ def test_reference_matches_naive_loop(window, cap):
     got = np.asarray(_reference_fn(**static)(*batch.args))
     want = naive_attention(batch, **static)
     np.testing.assert_allclose(got[: batch.total], want[: batch.total], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [5, 40])
+def test_keys_before_the_window_are_never_read(window):
+    """A sliding group gives its pages before the window back to the pool, where another request's
+    keys (here NaN) replace them: the reference and the kernels skip them."""
+    batch = make_batch(81, **_shape_kwargs(jnp.float32, 64, 16, 2, 2), max_chunk=60)
+    k_cache, v_cache = np.array(batch.k_cache), np.array(batch.v_cache)
+    qsl, lens, tables = (np.asarray(a) for a in (batch.query_start_loc, batch.seq_lens, batch.block_tables))
+    poisoned = 0
+    for s in range(int(batch.num_seqs)):
+        first_seen = lens[s] - (qsl[s + 1] - qsl[s]) - window + 1  # the lowest key its first query sees
+        keys = np.arange(max(first_seen, 0))
+        k_cache[tables[s, keys // 16], keys % 16] = v_cache[tables[s, keys // 16], keys % 16] = np.nan
+        poisoned += len(keys)
+    assert poisoned > 100
+    batch = dataclasses.replace(batch, k_cache=jnp.asarray(k_cache), v_cache=jnp.asarray(v_cache))
+    static = dict(sm_scale=0.2, sliding_window=window, soft_cap=None)
+    want = naive_attention(batch, **static)
+    for fn in (_reference_fn(**static), _kernel_fn("ragged", **static), _kernel_fn("decode", **static)):
+        got = np.asarray(fn(*batch.args))
+        np.testing.assert_allclose(got[: batch.total], want[: batch.total], atol=1e-4, rtol=1e-4)
 
 
 def test_interpret_mode_poisons_outputs():

@@ -10,18 +10,21 @@ from engine_fakes import VOCAB, FakeRunner, check_scheduler_invariants, referenc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxrunner.engine.block_manager import BlockManager
+from jaxrunner.engine.block_manager import BlockManager, blocks_to_hold, null_blocks
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler, SchedulerConfig
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.step_io import RunnerOutput
 
 
-def make(max_num_seqs=4, budget=8, max_model_len=64, block_size=4, num_blocks=64, caching=True, num_steps=1):
+def make(max_num_seqs=4, budget=8, max_model_len=64, block_size=4, num_blocks=64, caching=True, num_steps=1,
+         windows=(None,)):
+    """`windows`: each KV-cache group's sliding window (None: full attention)."""
     scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs, budget, max_model_len, num_steps), BlockManager(num_blocks, block_size, caching)
+        SchedulerConfig(max_num_seqs, budget, max_model_len, num_steps),
+        BlockManager(num_blocks, block_size, caching, windows),
     )
-    return scheduler, FakeRunner(num_blocks, block_size, max_num_seqs, budget, max_model_len)
+    return scheduler, FakeRunner(num_blocks, block_size, max_num_seqs, budget, max_model_len, windows)
 
 
 def req(req_id: str, prompt_len: int, max_tokens: int = 8, first: int = 0, **params) -> Request:
@@ -57,7 +60,8 @@ def run_all(
         assert n < max_steps, "the scheduler stopped making progress"
     step(scheduler, runner)  # report the last finished requests to the runner
     assert not runner.rows and not scheduler.block_manager.req_blocks
-    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    bm = scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks - bm.num_reserved
     return n
 
 
@@ -214,14 +218,18 @@ def test_shared_prefix_is_computed_once():
 def workloads(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     max_model_len = draw(st.integers(4, 40))
-    min_blocks = -(-max_model_len // block_size)
+    budget = draw(st.integers(1, 32))
+    window = draw(st.integers(1, 12))
+    windows = draw(st.sampled_from([(None,), (window,), (None, window), (None, window, window)]))
+    min_blocks = null_blocks(windows) + blocks_to_hold(max_model_len, block_size, windows, budget)
     config = {
         "block_size": block_size,
         "max_model_len": max_model_len,
         "max_num_seqs": draw(st.integers(1, 5)),
-        "budget": draw(st.integers(1, 32)),
+        "budget": budget,
         "num_blocks": draw(st.integers(min_blocks, 3 * min_blocks)),
         "caching": draw(st.booleans()),
+        "windows": windows,
     }
     tokens = st.integers(0, VOCAB - 1)
     prefixes = draw(st.lists(st.lists(tokens, max_size=16), min_size=1, max_size=3))

@@ -10,6 +10,12 @@ prefix caching.
 A block is registered when the step that computes its KV is scheduled, not after it ran. Another
 request admitted in the same step may then hit it; that is safe because the runner writes every
 token's KV of a layer before any attention of that layer reads the cache.
+
+A model with several KV-cache groups (`ModelConfig.kv_cache_groups`: Gemma's sliding and full layers)
+gets one list of blocks per group per request, all from the one pool. A sliding group gives back
+the blocks its window has passed (keeping them findable), so a long request holds its whole length
+only in the full groups; the entries given back point at the null block, reserved for that. A
+prefix hit must then hold, in every sliding group, the blocks of the window before the hit.
 """
 
 from __future__ import annotations
@@ -43,19 +49,42 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+def blocks_to_hold(num_tokens: int, block_size: int, windows: Sequence[int | None], chunk: int, lookbehind: int = 0) -> int:
+    """The most blocks, over all groups, that one request of `num_tokens` tokens holds at once
+    when a step computes at most `chunk` of its tokens (`lookbehind`: as `BlockManager`'s)."""
+    full = -(-num_tokens // block_size)
+    return sum(full if w is None else min(full, -(-(w - 1 + lookbehind + chunk) // block_size) + 1) for w in windows)
+
+
+def null_blocks(windows: Sequence[int | None]) -> int:
+    """1 when a group slides (block 0 is then the null block its given-back entries point at), else 0."""
+    return int(any(w is not None for w in windows))
+
+
 class BlockManager:
     """`ref_counts[b]` counts the requests holding block b; `free_queue` holds exactly the blocks
-    with count 0, least recently freed first; `cached` maps a block hash to its block."""
+    with count 0, least recently freed first; `cached` maps (group, block hash) to its block.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    `windows`: the sliding window of each KV-cache group (None: full attention). `lookbehind`: the
+    tokens a sliding group keeps before its window as well, for a step whose computed count is an
+    upper bound (speculative decoding counts every draft in flight as accepted).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 windows: Sequence[int | None] = (None,), lookbehind: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.windows = tuple(windows)
+        self.lookbehind = lookbehind
+        self.num_reserved = null_blocks(self.windows)
+        if num_blocks <= self.num_reserved:
+            raise ValueError(f"num_blocks={num_blocks} leaves no block to allocate")
         self.ref_counts = [0] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[bytes, int] = {}
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.req_blocks: dict[str, list[int]] = {}
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_reserved, num_blocks))
+        self.cached: dict[tuple[int, bytes], int] = {}
+        self.block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks
+        self.req_blocks: dict[str, list[list[int]]] = {}
         self._num_registered: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
@@ -65,53 +94,73 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / (self.num_blocks - self.num_reserved)
 
-    def block_ids(self, req_id: str) -> list[int]:
-        return list(self.req_blocks.get(req_id, ()))
+    def block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's blocks, one list per group."""
+        return tuple(map(list, self.req_blocks.get(req_id, [[] for _ in self.windows])))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Cached blocks that start the request's tokens, and how many tokens they cover.
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[int], ...], int]:
+        """Cached blocks (per group) that start the request's tokens, and how many tokens they cover.
 
         The last token is always left to compute (the runner needs its logits), so a prompt that is
         entirely cached still runs one token, as in vLLM. A request asking for prompt logprobs gets
-        no hits (it still fills the cache): the runner scores only the positions it computes.
+        no hits (it still fills the cache): the runner scores only the positions it computes. A hit
+        of n blocks needs, in every group, the blocks the next token's attention reads; a sliding
+        group's entries before its window are the null block.
         """
+        none = tuple([] for _ in self.windows)
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
-        hits = []
-        for block_hash in self._hashes(request, (request.num_tokens - 1) // self.block_size):
-            block = self.cached.get(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+            return none, 0
+        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
+        runs = [self._cached_runs(g, hashes) for g in range(len(self.windows))]
+        n, last = len(hashes), -1
+        while n != last:  # each group's longest hit within the others'; shrinks to a common one
+            last = n
+            for g, run in enumerate(runs):
+                while n and run[n - 1] < n - self._first_needed(g, n * self.block_size):
+                    n -= 1
+        if not n:
+            return none, 0
+        hits = tuple(
+            [0] * (first := self._first_needed(g, n * self.block_size))
+            + [self.cached[(g, h)] for h in hashes[first:n]]
+            for g in range(len(self.windows))
+        )
+        return hits, n * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
-    ) -> list[int] | None:
-        """Give the request blocks for `num_new_tokens` more tokens; the fresh block ids, or None
-        (nothing changed) when the free queue cannot supply them.
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Sequence[int]] = ()
+    ) -> tuple[list[int], ...] | None:
+        """Give the request blocks for `num_new_tokens` more tokens; the fresh block ids per group,
+        or None (nothing changed but the release below) when the free queue cannot supply them.
 
         `computed_blocks` are prefix-cache hits from `get_computed_blocks`, for a request that holds
-        no blocks yet; they come before the tokens counted in `request.num_computed_tokens`.
+        no blocks yet; they come before the tokens counted in `request.num_computed_tokens`. The
+        sliding groups first give back the blocks their windows no longer reach.
         """
-        blocks = self.req_blocks.setdefault(request.req_id, [])
-        first_allocation = not blocks
-        num_hit_tokens = len(computed_blocks) * self.block_size
-        total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
-        needed = max(-(-total // self.block_size) - len(blocks) - len(computed_blocks), 0)
-        hits_in_queue = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
-        if needed > len(self.free_queue) - hits_in_queue:
+        blocks = self.req_blocks.setdefault(request.req_id, [[] for _ in self.windows])
+        first_allocation = not blocks[0]
+        hits = computed_blocks or tuple([] for _ in self.windows)
+        num_hit_tokens = len(hits[0]) * self.block_size
+        start = request.num_computed_tokens + num_hit_tokens
+        total = start + num_new_tokens
+        for g in range(len(self.windows)):
+            self._release_behind(blocks[g], self._first_needed(g, start))
+        length = -(-total // self.block_size)
+        needed = [max(length - len(held) - len(hit), 0) for held, hit in zip(blocks, hits)]
+        hits_in_queue = sum(1 for hit in hits for b in hit if b >= self.num_reserved and self.ref_counts[b] == 0)
+        if sum(needed) > len(self.free_queue) - hits_in_queue:
             if first_allocation:
                 del self.req_blocks[request.req_id]
             return None
-        for block in computed_blocks:
+        for block in (b for hit in hits for b in hit if b >= self.num_reserved):
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
             self.ref_counts[block] += 1
-        fresh = [self._pop_free() for _ in range(needed)]
-        blocks += list(computed_blocks) + fresh
+        fresh = tuple([self._pop_free() for _ in range(n)] for n in needed)
+        for held, hit, more in zip(blocks, hits, fresh):
+            held += list(hit) + more
         if first_allocation and self.enable_caching and request.num_preemptions == 0:
             self.stats.requests += 1
             self.stats.queries += request.num_tokens
@@ -123,17 +172,45 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks; the tail goes to the front of the queue (evicted first),
         since a shared prefix is likelier to be reused than a request's private tail."""
-        for block in reversed(self.req_blocks.pop(request.req_id, [])):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_queue[block] = None
+        for held in self.req_blocks.pop(request.req_id, []):
+            for block in reversed(held):
+                self._release(block)
         self._num_registered.pop(request.req_id, None)
+
+    def _first_needed(self, group: int, num_computed: int) -> int:
+        """The first block the group's attention still reads once `num_computed` tokens are computed."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, num_computed - window + 1 - self.lookbehind) // self.block_size
+
+    def _release(self, block: int) -> None:
+        if block < self.num_reserved:
+            return
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_queue[block] = None
+
+    def _release_behind(self, held: list[int], first: int) -> None:
+        """Give back a sliding group's blocks before `first`; those already given back (the null
+        block) are a prefix, so the walk stops at the first of them."""
+        for i in range(min(first, len(held)) - 1, -1, -1):
+            if held[i] < self.num_reserved:
+                break
+            self._release(held[i])
+            held[i] = 0
+
+    def _cached_runs(self, group: int, hashes: list[bytes]) -> list[int]:
+        """run[i]: how many blocks up to block i (included) the group has cached, back to back."""
+        runs, run = [], 0
+        for h in hashes:
+            run = run + 1 if (group, h) in self.cached else 0
+            runs.append(run)
+        return runs
 
     def _pop_free(self) -> int:
         block, _ = self.free_queue.popitem(last=False)
-        old_hash = self.block_hash[block]
-        if old_hash is not None:
-            del self.cached[old_hash]
+        old_key = self.block_hash[block]
+        if old_key is not None:
+            del self.cached[old_key]
             self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block
@@ -149,13 +226,16 @@ class BlockManager:
                 hashes.append(hash_block(hashes[-1] if hashes else first, tokens[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 
-    def _register_full_blocks(self, request: Request, blocks: list[int], num_full: int) -> None:
+    def _register_full_blocks(self, request: Request, blocks: list[list[int]], num_full: int) -> None:
         """Make the request's full blocks findable; a block whose content is already cached stays private."""
         start = self._num_registered.get(request.req_id, 0)
         if num_full <= start:
             return
-        for block, block_hash in zip(blocks[start:num_full], self._hashes(request, num_full)[start:]):
-            if self.block_hash[block] is None and block_hash not in self.cached:
-                self.cached[block_hash] = block
-                self.block_hash[block] = block_hash
+        hashes = self._hashes(request, num_full)[start:]
+        for g, held in enumerate(blocks):
+            for block, block_hash in zip(held[start:num_full], hashes):
+                key = (g, block_hash)
+                if block >= self.num_reserved and self.block_hash[block] is None and key not in self.cached:
+                    self.cached[key] = block
+                    self.block_hash[block] = key
         self._num_registered[request.req_id] = num_full

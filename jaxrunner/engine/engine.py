@@ -151,7 +151,9 @@ class LLMEngine:
                         "KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"], report["kv_sizing_seconds"],
                         report["compiled"], report["compile_seconds"], report["lowering_seconds"], report["kv_cache_blocks"],
                         report["kv_cache_tokens"], report["kv_cache_gib"])
-        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching)
+        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching,
+                                          self.model_config.group_windows,
+                                          self.config.speculative.num_speculative_tokens)
         self.scheduler = Scheduler(scheduler_config(self.config, self.model_config.vocab_size), self.block_manager)
         self._grammars: GrammarCompiler | None = None  # made for the first structured-output request
         self._compiling: list[tuple[_Parent, Future]] = []  # requests whose grammar is on its way

@@ -19,6 +19,7 @@ import jax
 from jaxrunner import platform
 from jaxrunner.checks import check_bool, check_int, is_real
 from jaxrunner.config import KERNEL_CHOICES, LoraConfig, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig
+from jaxrunner.engine.block_manager import blocks_to_hold, null_blocks
 from jaxrunner.engine.default_model import default_model, default_model_config
 from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
@@ -196,13 +197,19 @@ def runner_config(
         compilation_cache_dir=os.path.join(cache_dir(), "xla"),
     )
     cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes, draft))
-    if cfg.num_blocks * cfg.block_size < max_model_len:
+    if (cfg.num_blocks - null_blocks(model.group_windows)) < (need := request_blocks(model, cfg, max_model_len)):
         raise ValueError(
             f"the KV cache ({cfg.num_blocks} blocks of {cfg.block_size} tokens) cannot hold one sequence of "
-            f"max_model_len={max_model_len} tokens; raise num_gpu_blocks_override / gpu_memory_utilization "
-            "or lower max_model_len"
+            f"max_model_len={max_model_len} tokens ({need} blocks over the model's KV-cache groups); raise "
+            "num_gpu_blocks_override / gpu_memory_utilization or lower max_model_len"
         )
     return cfg
+
+
+def request_blocks(model: ModelConfig, cfg: RunnerConfig, num_tokens: int) -> int:
+    """The most blocks one request of `num_tokens` tokens holds at once."""
+    return blocks_to_hold(num_tokens, cfg.block_size, model.group_windows, cfg.max_num_batched_tokens,
+                          cfg.speculative.num_speculative_tokens)
 
 
 def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
@@ -230,7 +237,8 @@ def _num_blocks(
     cache_model = sharded_config(model, tp) if tp > 1 else model
     per_block = kv_cache_bytes(cache_model, dataclasses.replace(cfg, num_blocks=1), draft[0] if draft else None) // tp
     if not stats:
-        return max(cfg.max_blocks_per_req, min(cfg.max_num_seqs * cfg.max_blocks_per_req, CPU_KV_CACHE_BYTES // per_block))
+        one = request_blocks(model, cfg, cfg.max_model_len)
+        return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block))
     activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1), draft).peak_step_bytes()
     in_use = stats["bytes_in_use"] + lora_bytes(model, cfg.lora, cfg.dtype)  # the adapter slots come after sizing
     blocks = kv_blocks_that_fit(stats["bytes_limit"], in_use, activations, args.gpu_memory_utilization, per_block)

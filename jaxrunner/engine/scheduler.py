@@ -137,7 +137,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
+        new_blocks: dict[str, tuple[list[int], ...]] = {}  # per KV-cache group
         preempted: list[Request] = []
         drafts: dict[str, list[int]] = {}
 
@@ -248,7 +248,8 @@ class Scheduler:
                    self.config.max_model_len - request.num_expected_tokens, budget) - 1
         return max(0, min(k, room))
 
-    def _decode_steps(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]]) -> dict[str, int] | None:
+    def _decode_steps(self, num_scheduled: dict[str, int],
+                      new_blocks: dict[str, tuple[list[int], ...]]) -> dict[str, int] | None:
         """Multi-step decode: the steps of each request when all of them are one-token decodes and
         their blocks for the extra steps can be had (None otherwise: one step)."""
         k = self.config.num_scheduler_steps
@@ -267,14 +268,15 @@ class Scheduler:
             fresh = self.block_manager.allocate_slots(r, steps[r.req_id])
             if fresh is None:
                 return None
-            new_blocks[r.req_id] += fresh
+            for group, more in zip(new_blocks[r.req_id], fresh):
+                group += more
         return steps
 
     def _build_output(
         self,
         admitted: list[Request],
         num_scheduled: dict[str, int],
-        new_blocks: dict[str, list[int]],
+        new_blocks: dict[str, tuple[list[int], ...]],
         preempted: list[Request],
         steps: dict[str, int] | None,
         drafts: dict[str, list[int]],
@@ -284,7 +286,7 @@ class Scheduler:
             NewRequestData(
                 req_id=r.req_id,
                 prompt_token_ids=r.prompt_token_ids,
-                block_ids=(self.block_manager.block_ids(r.req_id),),
+                block_ids=self.block_manager.block_ids(r.req_id),
                 num_computed_tokens=r.num_computed_tokens,
                 sampling_params=r.sampling_params,
                 prefill_token_ids=r.all_token_ids if r.output_token_ids else None,
@@ -296,7 +298,7 @@ class Scheduler:
         cached_ids = [rid for rid in num_scheduled if rid not in admitted_ids]
         cached = CachedRequestData(
             req_ids=cached_ids,
-            new_block_ids=[(new_blocks[rid],) if new_blocks[rid] else None for rid in cached_ids],
+            new_block_ids=[new_blocks[rid] if any(new_blocks[rid]) else None for rid in cached_ids],
             num_computed_tokens=[self.requests[rid].num_computed_tokens for rid in cached_ids],
         )
         finished, self._finished_in_runner = self._finished_in_runner, set()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -195,7 +195,7 @@ def forward(
     token_ids: jax.Array,
     positions: jax.Array,
     kv: tuple,
-    attend: Attend,
+    attend: Sequence[Attend],
     lora: tuple = (),
     lora_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple]:
@@ -203,21 +203,26 @@ def forward(
     `lora`: the adapter slots per layer (`models.lora`; () without LoRA), `lora_mask` [T, L] each
     token's slot (`slot_mask`).
 
-    `attend(q, k, v, kv_layer, window) -> (out [T, Hq, D], kv_layer)` writes this step's keys and
-    values into a layer's paged cache and attends over it (over the last `window` keys, or all of them
-    for None). It is a callable pytree (the runner's
-    `attention.PagedAttention`, the batch's page metadata inside), so the model knows nothing about
-    pages and the jitted layer takes it as an argument.
+    `attend[g](q, k, v, kv_layer, window) -> (out [T, Hq, D], kv_layer)` writes this step's keys and
+    values into the paged cache of a layer of KV-cache group g and attends over it (over the last
+    `window` keys, or all of them for None). Each is a callable pytree (the runner's
+    `attention.PagedAttention`, the group's page metadata inside), so the model knows nothing about
+    pages and the jitted layer takes it as an argument. `kv` holds one (k, v) per group member
+    (`ModelConfig.kv_slot`): the layers at member j of every group share those arrays, each group
+    in the blocks it owns.
     """
     x = params["embed"][token_ids]
     if cfg.gemma:  # the scale rounded to the weights' dtype first, as Gemma's embedding does
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
-    new_kv = []
-    for i, (p, kv_layer) in enumerate(zip(params["layers"], kv, strict=True)):
+    if len(kv) != cfg.group_size or len(attend) != len(cfg.kv_cache_groups):
+        raise ValueError(f"the model needs {cfg.group_size} (k, v) page arrays and attention for "
+                         f"{len(cfg.kv_cache_groups)} KV-cache groups, got {len(kv)} and {len(attend)}")
+    new_kv = list(kv)
+    for i, p in enumerate(params["layers"]):
         adapters = lora[i] if lora else {}
-        x, kv_layer = decoder_layer(p, adapters, x, positions, kv_layer, attend, lora_mask, cfg=cfg,
-                                    window=cfg.layer_window(i))
-        new_kv.append(kv_layer)
+        group, member = cfg.kv_slot(i)
+        x, new_kv[member] = decoder_layer(p, adapters, x, positions, new_kv[member], attend[group], lora_mask,
+                                          cfg=cfg, window=cfg.layer_window(i))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.gemma), tuple(new_kv)
 
 
