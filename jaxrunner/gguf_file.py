@@ -6,6 +6,10 @@ sees an ordinary float checkpoint. llama.cpp's converter stores the Llama family
 projections with the two halves of each head's rotary pairs interleaved, for its own RoPE layout;
 `read` undoes that, since our RoPE rotates halves as Hugging Face does (Qwen and Gemma files are
 stored as is), and takes back the one it adds to Gemma's norm weights.
+
+Mixture-of-Experts files (qwen3moe; Mixtral is a llama file with `expert_count`) stack each layer's
+experts in one tensor per projection; each expert is read, under its Hugging Face name, as its own
+slice of the stack.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import numpy as np
 
 # GGUF's general.architecture -> Hugging Face architecture (and model_type for its config class).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM"}
+                 "qwen3moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+MIXTRAL = "MixtralForCausalLM"  # a llama file with experts
 _PERMUTED_QK = ("llama",)
 # llama.cpp's converter stores Gemma's norm weights plus one (its norms scale by the weight itself).
 _NORMS_PLUS_ONE = ("gemma3",)
@@ -48,6 +53,13 @@ _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# The router and the stacked experts, per architecture ("{e}": the expert's index).
+_MOE_LAYER_NAMES = {
+    "Qwen3MoeForCausalLM": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+                            "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj"},
+    MIXTRAL: {"ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+              "ffn_up_exps": "block_sparse_moe.experts.{e}.w3", "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that change the model's maths in a way jaxrunner does not implement.
 _UNSUPPORTED_TENSORS = {"rope_freqs.weight": "rotary frequency factors (Llama 3.1 rope scaling)"}
@@ -72,9 +84,9 @@ class GGUFFile:
     """An open GGUF file whose architecture, tensor names and quantization types were checked."""
 
     path: str
-    architecture: str  # GGUF's name: llama, qwen2, qwen3, gemma3
+    architecture: str  # GGUF's name: llama, qwen2, qwen3, qwen3moe, gemma3
     metadata: dict  # key -> value, arrays as lists
-    tensors: dict  # Hugging Face name -> gguf.ReaderTensor
+    tensors: dict  # Hugging Face name -> (gguf.ReaderTensor, the expert's index in its stack or None)
 
     def hf_config(self):
         """The model's config as the `transformers` config class of its family."""
@@ -91,15 +103,23 @@ class GGUFFile:
         num_heads = int(key("attention.head_count"))
         hidden = int(key("embedding_length"))
         config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                        "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig}[arch]
+                        "qwen3": transformers.Qwen3Config, "qwen3moe": transformers.Qwen3MoeConfig,
+                        "gemma3": transformers.Gemma3TextConfig}[arch]
         rope = {"rope_type": "default", "rope_theta": _as_written(key("rope.freq_base", 10000.0))}
         extra = {}
         if arch == "gemma3":  # the rest (layer pattern, query scale, GeGLU) as Gemma3TextConfig defaults them
             rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA}}
             extra = dict(sliding_window=int(key("attention.sliding_window")),
                          query_pre_attn_scalar=int(key("attention.key_length", hidden // num_heads)))
+        if arch == "qwen3moe":  # llama.cpp renormalises the chosen experts' weights for this family
+            extra = dict(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+                         moe_intermediate_size=int(key("expert_feed_forward_length")), norm_topk_prob=True,
+                         decoder_sparse_step=1, mlp_only_layers=[])
+        if self.hf_architecture == MIXTRAL:
+            config_class = transformers.MixtralConfig
+            extra = dict(num_local_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")))
         return config_class(
-            architectures=[ARCHITECTURES[arch]],
+            architectures=[self.hf_architecture],
             vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")),
@@ -116,16 +136,23 @@ class GGUFFile:
             **extra,
         )
 
+    @property
+    def hf_architecture(self) -> str:
+        return _hf_architecture(self.architecture, self.metadata)
+
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape in Hugging Face's order ([out, in] for a linear weight)."""
-        return tuple(int(n) for n in reversed(self.tensors[name].shape))
+        tensor, expert = self.tensors[name]
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        return shape if expert is None else shape[1:]
 
     def read(self, name: str) -> np.ndarray:
         """The tensor as float32, in Hugging Face's layout."""
         from gguf.quants import dequantize
 
-        tensor = self.tensors[name]
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(self.shape(name))
+        tensor, expert = self.tensors[name]
+        data = tensor.data if expert is None else tensor.data[expert]
+        values = dequantize(data, tensor.tensor_type).reshape(self.shape(name))
         if self.architecture in _PERMUTED_QK and name.endswith((".q_proj.weight", ".k_proj.weight")):
             heads = self.metadata[f"{self.architecture}.attention.head_count" + ("_kv" if ".k_proj" in name else "")]
             values = _unpermute_rotary(values, int(heads))
@@ -148,13 +175,18 @@ def open_gguf(path: str) -> GGUFFile:
         raise ValueError(
             f"GGUF file {path!r} holds a {arch!r} model; jaxrunner reads GGUF files of {', '.join(ARCHITECTURES)}"
         )
+    hf_arch = _hf_architecture(arch, metadata)
     tensors = {}
     for tensor in reader.tensors:
         if tensor.name in _UNSUPPORTED_TENSORS:
             raise ValueError(f"GGUF file {path!r} uses {_UNSUPPORTED_TENSORS[tensor.name]}, which jaxrunner does not support")
-        if (name := _hf_name(tensor.name, arch)) is not None:
-            tensors[name] = tensor
-    _check_types(path, tensors.values())
+        if (name := _hf_name(tensor.name, hf_arch)) is None:
+            continue
+        if "{e}" in name:  # one entry per expert of the stack, its first axis in Hugging Face's order
+            tensors.update({name.format(e=e): (tensor, e) for e in range(int(tensor.shape[-1]))})
+        else:
+            tensors[name] = (tensor, None)
+    _check_types(path, [tensor for tensor, _ in tensors.values()])
     return GGUFFile(path, arch, metadata, tensors)
 
 
@@ -164,10 +196,14 @@ def _as_written(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_name(name: str, arch: str) -> str | None:
+def _hf_architecture(arch: str, metadata: dict) -> str:
+    return MIXTRAL if arch == "llama" and metadata.get("llama.expert_count") else ARCHITECTURES[arch]
+
+
+def _hf_name(name: str, hf_arch: str) -> str | None:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
-    names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if hf_arch == "Gemma3ForCausalLM" else _LAYER_NAMES | _MOE_LAYER_NAMES.get(hf_arch, {})
     match = _LAYER_TENSOR.fullmatch(name)
     if match is None or match[2] not in names:
         return None

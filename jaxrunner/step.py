@@ -140,7 +140,7 @@ def backbone(
     )
     mask = slot_mask(inp.lora_slots, max_loras, params["embed"].dtype) if lora else None
     with jax.default_matmul_precision(matmul_precision(params)):
-        return forward(params, model, ids, inp.positions, kv, attend, lora, mask)
+        return forward(params, model, ids, inp.positions, kv, attend, lora, mask, inp.token_rows < num_rows)
 
 
 def forward_step(

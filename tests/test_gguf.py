@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import gguf
@@ -20,12 +21,17 @@ from jaxrunner.engine import model_files
 from jaxrunner.loader import SavedParams, load_model, open_checkpoint
 
 MODELS = Path(__file__).parent / "data" / "models"
-ARCH = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3"}
+ARCH = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3moe",
+        "tiny-mixtral": "llama"}
 # Hugging Face name -> llama.cpp's, for the tensors of one layer.
 LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+         "block_sparse_moe.gate": "ffn_gate_inp"}
+# Each expert's projection -> llama.cpp's tensor of them all, stacked on a first axis.
+EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+           "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
 
@@ -38,6 +44,18 @@ def gguf_name(name: str) -> str:
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{LAYER[module]}.{kind}"
+
+
+def stack_experts(tensors: dict) -> dict:
+    """The per-expert tensors of a Hugging Face MoE checkpoint under llama.cpp's stacked names."""
+    out, stacks = {}, {}
+    for name, tensor in tensors.items():
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", name)
+        if match is None:
+            out[name] = tensor
+        else:
+            stacks.setdefault(f"blk.{match[1]}.{EXPERTS[match[3]]}.weight", {})[int(match[2])] = tensor
+    return out | {name: np.stack([experts[e] for e in sorted(experts)]) for name, experts in stacks.items()}
 
 
 def rotary_interleave(w: np.ndarray, heads: int) -> np.ndarray:
@@ -67,12 +85,18 @@ def write_gguf(path: Path, model: str, qtype: Q = Q.F32, arch: str | None = None
     w.add_token_types([3, 3, 3] + [1] * (hf["vocab_size"] - 3))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if experts := hf.get("num_local_experts") or hf.get("num_experts"):
+        w.add_expert_count(experts)
+        w.add_expert_used_count(hf["num_experts_per_tok"])
+        if "moe_intermediate_size" in hf:
+            w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
     tensors = {k: v for f in sorted((MODELS / model).glob("*.safetensors")) for k, v in load_file(f).items()}
+    tensors = stack_experts(tensors)
     for name, tensor in {**tensors, **(extra or {})}.items():
         if arch == "llama" and name.endswith((".q_proj.weight", ".k_proj.weight")):
             tensor = rotary_interleave(tensor, heads if ".q_proj" in name else kv_heads)
         tensor = tensor.astype(np.float32)
-        if qtype != Q.F32 and tensor.ndim == 2:
+        if qtype != Q.F32 and tensor.ndim >= 2:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), tensor)
@@ -91,14 +115,16 @@ def test_gguf_weights_equal_the_safetensors_weights(model, tmp_path):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    fields = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps",
-              "rope_theta", "tie_word_embeddings", "qkv_bias", "qk_norm", "architecture")
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "rms_norm_eps", "rope_theta", "tie_word_embeddings", "qkv_bias", "qk_norm", "architecture", "num_experts",
+              "num_experts_per_tok", "norm_topk_prob")
     assert {f: getattr(checkpoint.config, f) for f in fields} == {f: getattr(cfg, f) for f in fields}
 
 
-def test_quantized_gguf_dequantizes_within_its_step(tmp_path):
-    checkpoint = open_checkpoint(write_gguf(tmp_path / "q8.gguf", "tiny-llama", Q.Q8_0))
-    _, want = load_model(MODELS / "tiny-llama")
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-moe"])
+def test_quantized_gguf_dequantizes_within_its_step(model, tmp_path):
+    checkpoint = open_checkpoint(write_gguf(tmp_path / "q8.gguf", model, Q.Q8_0))
+    _, want = load_model(MODELS / model)
     got = checkpoint.load()
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         a, b = np.asarray(a), np.asarray(b)

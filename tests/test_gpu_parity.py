@@ -59,7 +59,8 @@ def hf_logits(model, prompt: list[int]) -> np.ndarray:
         return model(torch.tensor([prompt], device="cuda")).logits[0].float().cpu().numpy()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
+                                  "tiny-qwen3-moe", "tiny-mixtral"])
 def test_fp32_greedy_tokens_identical(name):
     torch.backends.cuda.matmul.allow_tf32 = False
     hf = hf_model(MODELS / name, torch.float32)

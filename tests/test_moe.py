@@ -43,9 +43,14 @@ def test_grouped_matmuls_equal_a_loop_over_experts(tokens, experts, k, normalize
     down = (0.3 * rng.standard_normal((experts, inter, h))).astype(np.float32)
     cfg = ModelConfig("MixtralForCausalLM", 64, h, inter, 1, 2, 1, 12, num_experts=experts, num_experts_per_tok=k,
                       norm_topk_prob=normalize)
+    valid = rng.random(tokens) < 0.7  # the rest: a bucket's padding, routed to no expert
+    want = loop_reference(x, router, gate_up, down, k, normalize)
     with jax.default_matmul_precision("highest"):
         got = moe_mlp(jnp.asarray(x), jnp.asarray(router), jnp.asarray(gate_up), jnp.asarray(down), jax.nn.silu, cfg)
-    np.testing.assert_allclose(np.asarray(got), loop_reference(x, router, gate_up, down, k, normalize), rtol=1e-4, atol=1e-4)
+        masked = moe_mlp(jnp.asarray(x), jnp.asarray(router), jnp.asarray(gate_up), jnp.asarray(down), jax.nn.silu, cfg,
+                         jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(masked), np.where(valid[:, None], want, 0.0), rtol=1e-4, atol=1e-4)
     _, chosen = route(jnp.asarray(x @ router), k, normalize)
     assert len(np.unique(np.asarray(chosen))) > k  # the tokens spread over several experts
 

@@ -21,10 +21,15 @@ def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Ar
     return weights, experts
 
 
-def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, act, cfg: ModelConfig) -> jax.Array:
-    """[T, H] for x [T, H]: router [H, E], gate_up [E, H, 2I] (gate | up), down [E, I, H]."""
+def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, act, cfg: ModelConfig,
+            valid: jax.Array | None = None) -> jax.Array:
+    """[T, H] for x [T, H]: router [H, E], gate_up [E, H, 2I] (gate | up), down [E, I, H]. Tokens
+    not `valid` (bool [T]: a bucket's padding) go to no expert: their copies sort past the last
+    group, where `ragged_dot` computes nothing (their rows come out zero)."""
     k = cfg.num_experts_per_tok
     weights, experts = route(x @ router, k, cfg.norm_topk_prob)
+    if valid is not None:
+        experts = jnp.where(valid[:, None], experts, cfg.num_experts)  # past the last group: no expert's rows
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # the T * k token copies, expert by expert
     tokens = order // k
