@@ -1,7 +1,8 @@
-"""The Mixture-of-Experts MLP of the Qwen3-30B-A3B shape under XLA: GPU busy time per layer for a
-decode bucket of 16 tokens with 1 or 16 of them real (the rest padding, sent to no expert), and for
-512 tokens, against the all-experts dense form (every token times every expert's weights, which
-reads each weight once). Tells whether `jax.lax.ragged_dot` reads only the experts it is given.
+"""The Mixture-of-Experts MLP of the Qwen3-30B-A3B shape: GPU busy time per layer for a decode
+bucket of 16 tokens with 1 or 16 of them real (the rest padding, sent to no expert), and for 512
+tokens, with XLA's `jax.lax.ragged_dot`, with the Pallas grouped matmul (`pallas_kernels.grouped_matmul`,
+the runner's choice on the GPU) and in the all-experts dense form (every token times every expert's
+weights, which reads each weight once).
 
     PYTHONPATH=$PWD python benchmarks/moe.py
 Writes $OUT/moe.json when OUT is set.
@@ -9,6 +10,7 @@ Writes $OUT/moe.json when OUT is set.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -19,6 +21,7 @@ from benchmarks.profile import busy_ns, trace_kernels
 from jaxrunner.bench.floors import COPY_BANDWIDTH
 from jaxrunner.models.moe import moe_mlp, route
 from jaxrunner.models.shapes import shape
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 LAYERS = 8
 
@@ -46,7 +49,8 @@ def main() -> None:
     for tokens, real in ((16, 1), (16, 16), (512, 512)):
         x = jax.random.normal(next(key), (tokens, h), jnp.bfloat16)
         valid = jnp.arange(tokens) < real
-        for name, fn in (("ragged_dot", moe_mlp), ("dense", dense)):
+        pallas = functools.partial(moe_mlp, grouped_matmul=grouped_matmul)
+        for name, fn in (("ragged_dot", moe_mlp), ("pallas", pallas), ("dense", dense)):
             call = jax.jit(lambda x, layers, valid, fn=fn: [fn(x, *w, jax.nn.silu, cfg, valid) for w in layers])
             jax.block_until_ready(call(x, layers, valid))
             events = trace_kernels(lambda: [jax.block_until_ready(call(x, layers, valid)) for _ in range(3)])

@@ -25,6 +25,7 @@ whether the Pallas kernels or the jnp references run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from jaxrunner.attention import AttentionMetadata, paged_attend
 from jaxrunner.config import Kernels, ModelConfig, SpeculativeConfig
 from jaxrunner.models.llama import MODEL_AXIS, Params, compute_logits, forward, slot_mask
 from jaxrunner.models.lora import Lora
+from jaxrunner.models.moe import GroupedMatmul
 from jaxrunner.ngram import ngram_drafts
 from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.sampling import (
@@ -48,6 +50,7 @@ from jaxrunner.sampling import (
     verify_drafts,
 )
 from jaxrunner.state import RunnerState
+from pallas_kernels.grouped_matmul import grouped_matmul, supported
 
 
 @pytree_dataclass
@@ -116,6 +119,17 @@ def resolve_positions(state: RunnerState, inp: TokenInputs) -> TokenInputs:
     )
 
 
+@functools.cache
+def moe_matmul(kernels: Kernels, model: ModelConfig) -> GroupedMatmul:
+    """The MoE MLP's grouped matmul: the Pallas kernel along with the Pallas attention (XLA's
+    `ragged_dot` reads every expert's weights), where its shapes allow; else `ragged_dot`. Cached,
+    so each choice is one object: the jitted decoder layer takes it as a static argument."""
+    if kernels.pallas and supported(model.hidden_size, 2 * model.intermediate_size) and supported(
+            model.intermediate_size, model.hidden_size):
+        return functools.partial(grouped_matmul, interpret=kernels.interpret)
+    return jax.lax.ragged_dot
+
+
 def backbone(
     params: Params, model: ModelConfig, kv: tuple, state: RunnerState, inp: TokenInputs, ids: jax.Array,
     kernels: Kernels, uniform_decode: bool, queries_per_seq: int, kv_scales: tuple[float, float], lora: Lora = (),
@@ -140,7 +154,8 @@ def backbone(
     )
     mask = slot_mask(inp.lora_slots, max_loras, params["embed"].dtype) if lora else None
     with jax.default_matmul_precision(matmul_precision(params)):
-        return forward(params, model, ids, inp.positions, kv, attend, lora, mask, inp.token_rows < num_rows)
+        return forward(params, model, ids, inp.positions, kv, attend, lora, mask, inp.token_rows < num_rows,
+                       moe_matmul(kernels, model))
 
 
 def forward_step(

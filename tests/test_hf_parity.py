@@ -71,9 +71,10 @@ def test_seeded_sampling_is_batch_independent(model):
     assert reseeded != alone, "a different seed should give different tokens"
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
 def test_greedy_generation_with_the_pallas_kernels_matches_hf(name):
-    """The runner with the Pallas attention, KV write and decode kernels, interpreted on the CPU."""
+    """The runner with the Pallas attention, KV write and decode kernels (and the MoE grouped
+    matmul: `test_grouped_matmul.py` shows the runner picks it), interpreted on the CPU."""
     cfg, params = load_model(DATA / "models" / name, "float32")
     runner = Runner(cfg, params, dataclasses.replace(CONFIG, kernels="pallas"))
     prompts, _, greedy = goldens(name)

@@ -1,0 +1,94 @@
+"""A grouped matmul for the Mixture-of-Experts MLP as a Pallas (Triton) kernel: `jax.lax.ragged_dot`'s
+function, reading only the groups' own weights.
+
+`lhs` [M, K] holds rows sorted by group, group g owning `group_sizes[g]` rows after those of the
+groups before it (rows past them all come out zero); row r of group g is `lhs[r] @ rhs[g]`. XLA's
+`ragged_dot` on the GPU reads every group's `rhs` whatever the sizes, so a decode step that uses 8
+experts of 128 streams all of them (docs/benchmarks.md). Here the rows are cut into tiles of
+`block_m` rows of one group (a group's last tile is partial), and program (tile, column block)
+multiplies its tile by its group's column block: each used group's weights are read once per tile,
+an empty group's never. The tiles are planned on the device (a tile count that depends only on
+the shapes: ceil(M / block_m) + E covers every split); unused tiles return at once. `block_m`
+grows with the rows per group (16 for a decode's few copies per expert, up to 128 for a prefill,
+whose tiles would otherwise re-read each expert's weights many times).
+
+Triton wants power-of-two blocks and dots of K >= 16: K and N must be multiples of 16 (`supported`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.common import cdiv, next_pow2
+
+def supported(k: int, n: int) -> bool:
+    return k % 16 == 0 and n % 16 == 0
+
+
+def block_rows(num_rows: int, num_groups: int) -> int:
+    """Rows per tile: about the rows of a group, a power of two in [16, 128]."""
+    return min(128, max(16, next_pow2(num_rows // num_groups)))
+
+
+def plan_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
+    """i32 [ceil(M / block_m) + E, 3]: each tile's group (-1: unused), first row and end row."""
+    sizes = group_sizes.astype(jnp.int32)
+    num_groups = sizes.shape[0]
+    tiles = cdiv(sizes, block_m)
+    tile_end = jnp.cumsum(tiles)
+    row_start = jnp.cumsum(sizes) - sizes
+    i = jnp.arange(cdiv(num_rows, block_m) + num_groups, dtype=jnp.int32)
+    group = jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32)
+    g = jnp.minimum(group, num_groups - 1)
+    first = row_start[g] + (i - (tile_end[g] - tiles[g])) * block_m
+    return jnp.stack([jnp.where(group < num_groups, group, -1), first, row_start[g] + sizes[g]], axis=1)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """[M, N] in lhs's dtype for lhs [M, K], rhs [E, K, N], group_sizes [E] (as `ragged_dot`)."""
+    num_rows, k = lhs.shape
+    num_groups, k_rhs, n = rhs.shape
+    if k_rhs != k or not supported(k, n):
+        raise ValueError(f"grouped_matmul cannot run lhs {lhs.shape} by rhs {rhs.shape}: it needs K and N in "
+                         "multiples of 16")
+    block_m = block_rows(num_rows, num_groups)
+    plan = plan_tiles(group_sizes, num_rows, block_m)
+    block_n, block_k = math.gcd(n, 128), math.gcd(k, 64)
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k),
+        grid=(plan.shape[0], n // block_n),
+        out_shape=jax.ShapeDtypeStruct((num_rows, n), lhs.dtype),
+        compiler_params=plt.CompilerParams(num_warps=4 if block_m <= 32 else 8, num_stages=3),
+        interpret=interpret,
+        name=f"grouped_matmul_m{block_m}_n{block_n}_k{block_k}",
+    )(plan, lhs, rhs)
+    total = jnp.sum(group_sizes)
+    return jnp.where((jnp.arange(num_rows) < total)[:, None], out, jnp.zeros((), out.dtype))
+
+
+def _kernel(plan_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int, block_k: int):
+    tile, col = pl.program_id(0), pl.program_id(1)
+    group, first, end = plan_ref[tile, 0], plan_ref[tile, 1], plan_ref[tile, 2]
+
+    @pl.when(group >= 0)
+    def _():
+        rows = first + jnp.arange(block_m, dtype=jnp.int32)
+        ok = rows < end
+        cols = col * block_n + jnp.arange(block_n, dtype=jnp.int32)
+        kk = jnp.arange(block_k, dtype=jnp.int32)
+        precision = jax.lax.Precision.HIGHEST if lhs_ref.dtype == jnp.float32 else None
+
+        def step(i, acc):
+            ks = i * block_k + kk
+            a = plt.load(lhs_ref.at[rows[:, None], ks[None, :]], mask=ok[:, None], other=0.0)
+            b = plt.load(rhs_ref.at[group, ks[:, None], cols[None, :]])
+            return acc + jax.lax.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, lhs_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        plt.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=ok[:, None])

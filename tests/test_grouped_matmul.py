@@ -1,0 +1,66 @@
+"""The Pallas grouped matmul (`pallas_kernels.grouped_matmul`) against `jax.lax.ragged_dot` on fresh
+random inputs, interpreted on the CPU (empty groups, rows past every group, decode- and prefill-sized
+tiles), and its Triton lowering for an H200 at the Qwen3-30B-A3B expert shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrunner.config import Kernels
+from jaxrunner.models.shapes import shape
+from jaxrunner.step import moe_matmul
+from pallas_kernels.grouped_matmul import block_rows, grouped_matmul
+from pallas_kernels.testing import H200
+
+
+@pytest.mark.parametrize("rows, k, n, groups, past", [(37, 32, 48, 6, 3), (16, 64, 64, 8, 15), (700, 16, 32, 4, 20)])
+def test_equals_ragged_dot(rows, k, n, groups, past):
+    rng = np.random.default_rng(rows)
+    sizes = rng.multinomial(rows - past, np.ones(groups) / groups).astype(np.int32)
+    sizes[1] = 0  # an empty group
+    lhs = rng.standard_normal((rows, k)).astype(np.float32)
+    rhs = rng.standard_normal((groups, k, n)).astype(np.float32)
+    want = jax.lax.ragged_dot(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), precision="highest")
+    got = grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(got)[rows - past :].any()  # the rows past every group
+    assert block_rows(rows, groups) == (128 if rows == 700 else 16)
+
+
+def test_the_pallas_kernels_choose_it_for_moe_models():
+    model = shape("qwen3-30b-a3b")
+    assert moe_matmul(Kernels.choose("pallas"), model).func is grouped_matmul
+    assert moe_matmul(Kernels.choose("reference"), model) is jax.lax.ragged_dot
+
+
+@pytest.mark.parametrize("tokens", [16, 8192])
+def test_lowers_to_triton_for_the_h200(tokens):
+    model = shape("qwen3-30b-a3b")
+    e, h, i = model.num_experts, model.hidden_size, model.intermediate_size
+    copies = tokens * model.num_experts_per_tok
+    args = (jax.ShapeDtypeStruct((copies, h), jnp.bfloat16), jax.ShapeDtypeStruct((e, h, 2 * i), jnp.bfloat16),
+            jax.ShapeDtypeStruct((e,), jnp.int32))
+    with jax.sharding.use_abstract_mesh(H200):
+        text = jax.jit(grouped_matmul).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "grouped_matmul_m" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copies, used", [(128, 8), (4096, 128)])
+def test_compiled_on_the_gpu_equals_ragged_dot(copies, used):
+    """The expert shapes of Qwen3-30B-A3B in bf16: a decode's 8 experts of 128 and a prefill's 128."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    model = shape("qwen3-30b-a3b")
+    e, h, i = model.num_experts, model.hidden_size, model.intermediate_size
+    rng = np.random.default_rng(copies)
+    sizes = np.zeros(e, np.int32)
+    sizes[rng.choice(e, used, replace=False)] = rng.multinomial(copies - 5, np.ones(used) / used)
+    lhs = jnp.asarray(rng.standard_normal((copies, h)), jnp.bfloat16)
+    rhs = jnp.asarray(0.02 * rng.standard_normal((e, h, 2 * i)), jnp.bfloat16)
+    want = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), jnp.asarray(sizes), precision="highest")
+    got = jax.jit(grouped_matmul)(lhs, rhs, jnp.asarray(sizes))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
