@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from jaxrunner import LLM, NewRequestData, RunnerConfig, SamplingParams, SchedulerOutput
 from jaxrunner.config import ModelConfig
-from jaxrunner.engine.block_manager import BlockManager, blocks_to_hold
+from jaxrunner.engine.block_manager import NULL_BLOCK, BlockManager, blocks_to_hold
 from jaxrunner.engine.request import Request
 from jaxrunner.state import init_state, kv_cache_bytes
 
@@ -68,7 +68,7 @@ def test_a_long_request_holds_its_whole_length_only_in_the_full_group():
         assert all(n <= -(-(512 + bs) // bs) + 1 for n in held[1:]), held
         check_block_invariants(bm)
     given_back = bm.block_ids("long")[1]
-    assert given_back[: 32768 // bs - 40] == [0] * (32768 // bs - 40)  # the null block before the window
+    assert given_back[: 32768 // bs - 40] == [NULL_BLOCK] * (32768 // bs - 40)
     bm.free(request)
     assert bm.num_free_blocks == bm.num_blocks - 1
     check_block_invariants(bm)
@@ -104,7 +104,7 @@ def test_prefix_hits_hold_every_groups_window_and_are_the_longest(data):
         assert valid(n) and not any(valid(m) for m in range(n + 1, len(hashes) + 1))
         for g, w in enumerate(windows):
             first = first_needed(n, bs, w)
-            assert hits[g] == [0] * first + [bm.cached[(g, h)] for h in hashes[first:n]]
+            assert hits[g] == [NULL_BLOCK] * first + [bm.cached[(g, h)] for h in hashes[first:n]]
         hits_seen += n > 0
         if bm.allocate_slots(request, request.num_tokens - num_hit, hits) is None:
             continue
@@ -133,7 +133,8 @@ def watch_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
                 tokens[out.request_id] = out.outputs[0].token_ids
         for rid in list(bm.req_blocks):
             groups = bm.block_ids(rid)
-            given_back = max([given_back] + [group.count(0) for g, group in enumerate(groups) if bm.windows[g]])
+            sliding = [group for group, window in zip(groups, bm.windows) if window is not None]
+            given_back = max([given_back] + [group.count(NULL_BLOCK) for group in sliding])
     return [tokens[str(i)] for i in range(len(prompts))], given_back
 
 
@@ -146,7 +147,7 @@ def test_speculative_decoding_keeps_its_drafts_worth_before_the_window():
         bm.allocate_slots(request, 20)
         request.num_computed_tokens = 20
         bm.allocate_slots(request, 1)
-        given_back.append(bm.block_ids("a")[0].count(0))
+        given_back.append(bm.block_ids("a")[0].count(NULL_BLOCK))
     assert given_back == [(20 - 8 + 1) // 4, (20 - 8 + 1 - 3) // 4]
 
 

@@ -49,6 +49,9 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+NULL_BLOCK = 0  # what a sliding group's given-back entries point at: never allocated, never written
+
+
 def blocks_to_hold(num_tokens: int, block_size: int, windows: Sequence[int | None], chunk: int, lookbehind: int = 0) -> int:
     """The most blocks, over all groups, that one request of `num_tokens` tokens holds at once
     when a step computes at most `chunk` of its tokens (`lookbehind`: as `BlockManager`'s)."""
@@ -57,7 +60,7 @@ def blocks_to_hold(num_tokens: int, block_size: int, windows: Sequence[int | Non
 
 
 def null_blocks(windows: Sequence[int | None]) -> int:
-    """1 when a group slides (block 0 is then the null block its given-back entries point at), else 0."""
+    """1 when a group slides (NULL_BLOCK is then reserved), else 0."""
     return int(any(w is not None for w in windows))
 
 
@@ -123,7 +126,7 @@ class BlockManager:
         if not n:
             return none, 0
         hits = tuple(
-            [0] * (first := self._first_needed(g, n * self.block_size))
+            [NULL_BLOCK] * (first := self._first_needed(g, n * self.block_size))
             + [self.cached[(g, h)] for h in hashes[first:n]]
             for g in range(len(self.windows))
         )
@@ -196,7 +199,7 @@ class BlockManager:
             if held[i] < self.num_reserved:
                 break
             self._release(held[i])
-            held[i] = 0
+            held[i] = NULL_BLOCK
 
     def _cached_runs(self, group: int, hashes: list[bytes]) -> list[int]:
         """run[i]: how many blocks up to block i (included) the group has cached, back to back."""
