@@ -49,6 +49,17 @@ def check_bool(where: str, name: str, value: object) -> bool:
     return value
 
 
+def check_text(where: str, name: str, text: str) -> str:
+    """`text` unless it holds a lone surrogate (a JSON escape such as "\\ud800", or bytes that were not
+    UTF-8 in a command line): no tokenizer can encode one, and the tokenizers' own errors say nothing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: {name} is not valid Unicode text ({e.reason} at character {e.start}); "
+                         "send UTF-8 text without lone surrogates") from None
+    return text
+
+
 def token_ids(where: str, name: str, values: object) -> list[int]:
     """A sequence of token ids (non-negative integers, numpy's included) as a list of ints."""
     if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):

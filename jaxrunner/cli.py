@@ -95,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", help="the name clients give as `model` (default: MODEL)")
     server.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
                         help="LoRA adapters (PEFT directories) that `model` may name (needs --enable-lora)")
+    guard = server.add_argument_group("exposure (the defaults are safe on an open network)")
+    guard.add_argument("--api-key", default=os.environ.get("JAXRUNNER_API_KEY"),
+                       help="wanted as 'Authorization: Bearer KEY' on every /v1/ route (default: $JAXRUNNER_API_KEY)")
+    guard.add_argument("--max-request-body-bytes", type=int,
+                       help="larger bodies get a 413 (default 32 MiB)")
+    guard.add_argument("--read-timeout", dest="read_timeout_s", type=float,
+                       help="seconds a request's headers, and then its body, may take to arrive (default 30)")
+    guard.add_argument("--timeout-keep-alive", dest="keep_alive_s", type=float,
+                       help="seconds an idle connection stays open between requests (default 5)")
+    guard.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests bring their own chat_template (a template is code the server runs)")
+    guard.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --lora-roots)")
+    guard.add_argument("--lora-roots", nargs="+", metavar="DIR", default=[],
+                       help="the directories /v1/load_lora_adapter may read adapters from")
     _add_model_flags(server, sampling=False)
     _add_bench_parser(commands)
     return parser
@@ -200,7 +215,7 @@ def _open_llm(args: argparse.Namespace):
 def serve(args: argparse.Namespace) -> int:
     from jaxrunner.engine.engine_args import EngineArgs
     from jaxrunner.engine.model_files import default_model_notice
-    from jaxrunner.server.api_server import serve
+    from jaxrunner.server.api_server import ServerOptions, serve
 
     if args.model_tag is not None and args.model is not None:
         raise ValueError("give the model once: as MODEL or as --model")
@@ -213,8 +228,14 @@ def serve(args: argparse.Namespace) -> int:
         if not (sep and name and path):
             raise ValueError(f"--lora-modules takes NAME=PATH, got {module!r}")
         lora_modules[name] = path
+    limits = {name: getattr(args, name) for name in ("max_request_body_bytes", "read_timeout_s", "keep_alive_s")
+              if getattr(args, name) is not None}
+    options = ServerOptions(
+        host=args.host, port=args.port, served_model_name=args.served_model_name, lora_modules=lora_modules,
+        api_key=args.api_key, trust_request_chat_template=args.trust_request_chat_template,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating, lora_roots=tuple(args.lora_roots), **limits)
     engine_args = EngineArgs(model=model, enable_prefix_caching=args.enable_prefix_caching, **_given(args, ENGINE_FLAGS))
-    serve(engine_args, args.host, args.port, args.served_model_name, lora_modules)
+    serve(engine_args, options)
     return 0
 
 

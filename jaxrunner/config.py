@@ -75,7 +75,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Tensor parallelism (set by the runner): the fused tensors hold, side by side, this many shards,
-    # each its own heads' q|k|v and its own slice of gate|up (`parallel.shard_layout`).
+    # each its own heads' q|k|v and its own slice of gate|up (`parallel.shard_layout`); the embedding
+    # and the LM head hold `padded_vocab_size` tokens.
     shards: int = 1
 
     def __post_init__(self) -> None:
@@ -93,6 +94,13 @@ class ModelConfig:
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The vocabulary rounded up to a multiple of `shards`, so that every shard holds an equal slice
+        of the embedding and the LM head (vLLM pads its vocab-parallel layers the same way); the
+        padding's logits are cut off before anything reads them (`step.full_logits`)."""
+        return -(-self.vocab_size // self.shards) * self.shards
 
     @property
     def gemma(self) -> bool:

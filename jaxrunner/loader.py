@@ -118,8 +118,10 @@ class SavedParams:
         target = param_structs(self.config, dtype, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         try:
             return ocp.StandardCheckpointer().restore(os.path.join(self.path, PARAMS_DIR), target)
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"cannot restore the params saved in {self.path!r} ({e}); delete the directory to convert anew") from None
+        except Exception as e:  # orbax and TensorStore raise bare Exceptions for damaged files
+            reason = " ".join(str(e).split())
+            raise ValueError(f"cannot restore the params saved in {self.path!r} ({reason:.300}); "
+                             "delete the directory to convert anew") from None
 
 
 def save_params(path: str, params: Params) -> None:

@@ -10,6 +10,10 @@ Each shard must hold whole heads: q|k|v's columns are laid out shard by shard, e
 heads then their k and v heads (`shard_layout`), and gate|up likewise. With fewer KV heads than
 shards, each KV head is repeated so every shard holds the one its q heads read (the model then has
 t KV heads, t / num_kv_heads copies of each; the cache is that much larger, as in vLLM).
+
+The vocabulary need not divide: as vLLM's vocab-parallel embedding and LM head, the runner pads it
+to a multiple of t (`ModelConfig.padded_vocab_size`) with zero rows of the embedding and zero
+columns of the head, and the padding's logits are cut off once gathered (`step.full_logits`).
 """
 
 from __future__ import annotations
@@ -39,8 +43,7 @@ def make_mesh(tp: int, replica: int = 0) -> Mesh:
 def check_split(model: ModelConfig, tp: int) -> None:
     """One ValueError naming every size of the model that `tp` shards cannot split."""
     problems = []
-    for name, size in (("num_attention_heads", model.num_heads), ("intermediate_size", model.intermediate_size),
-                       ("vocab_size", model.vocab_size)):
+    for name, size in (("num_attention_heads", model.num_heads), ("intermediate_size", model.intermediate_size)):
         if size % tp:
             problems.append(f"{name}={size}")
     kv = model.num_kv_heads
@@ -60,7 +63,7 @@ def sharded_config(model: ModelConfig, tp: int) -> ModelConfig:
 
 
 def shard_layout(params: Params, model: ModelConfig, tp: int) -> Params:
-    """`params` (the checkpoint's layout, `model`'s heads) laid out for `sharded_config(model, tp)`."""
+    """`params` (the checkpoint's layout, `model`'s heads and vocabulary) laid out for `sharded_config(model, tp)`."""
     d, heads, kv = model.head_dim, model.num_heads, model.num_kv_heads
     repeat = max(tp // kv, 1)
 
@@ -82,7 +85,13 @@ def shard_layout(params: Params, model: ModelConfig, tp: int) -> Params:
             out["bqkv"] = qkv(p["bqkv"])
         return out
 
-    return dict(params, layers=tuple(layer(p) for p in params["layers"]))
+    out = dict(params, layers=tuple(layer(p) for p in params["layers"]))
+    pad = sharded_config(model, tp).padded_vocab_size - model.vocab_size
+    if pad:  # tokens that never come in, and whose logits are cut off
+        out["embed"] = jnp.pad(params["embed"], ((0, pad), (0, 0)))
+        if "lm_head" in params:
+            out["lm_head"] = jnp.pad(params["lm_head"], ((0, 0), (0, pad)))
+    return out
 
 
 def place(tree, specs, mesh: Mesh):

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from jaxrunner.checks import check_bool, check_int, check_real, token_ids
+from jaxrunner.checks import check_bool, check_int, check_real, check_text, token_ids
 
 # Below this temperature sampling is greedy, as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
@@ -29,8 +29,9 @@ class StructuredOutputsParams:
     """vLLM's structured-output request: exactly one of a JSON schema (a dict or its text), a regex
     the whole output matches, a list of choices, a Lark grammar, or any JSON object.
 
-    `disable_any_whitespace` keeps JSON compact (no whitespace between tokens of the JSON syntax),
-    which spares a small model from wandering off into whitespace.
+    Between two tokens of the JSON syntax, JSON holds at most a line break and some indentation,
+    which spares a small model from wandering off into whitespace; `disable_any_whitespace` allows
+    none (compact JSON).
     """
 
     json: str | dict | None = None
@@ -143,7 +144,9 @@ class SamplingParams:
         if self.stop_token_ids is not None:
             self._set("stop_token_ids", token_ids(where, "stop_token_ids", self.stop_token_ids))
         if self.stop is not None:
-            self._set("stop", self.stop if isinstance(self.stop, str) else _strings("stop", self.stop, "a string or a list of strings"))
+            stop = self.stop
+            self._set("stop", check_text(where, "stop", stop) if isinstance(stop, str)
+                      else _strings("stop", stop, "a string or a list of strings"))
             if "" in self.stop_strings:
                 _bad("stop strings must not be empty")
         if self.bad_words is not None:
@@ -223,4 +226,4 @@ def _bad(msg: str) -> None:
 def _strings(name: str, values: object, what: str = "a list of strings", where: str = "SamplingParams") -> list[str]:
     if isinstance(values, str) or not isinstance(values, Iterable) or not all(isinstance(s, str) for s in values):
         raise ValueError(f"{where}: {name} must be {what}, got {values!r:.80}")
-    return list(values)
+    return [check_text(where, name, s) for s in values]

@@ -86,13 +86,17 @@ class SampleInputs:
     num_drafts: jax.Array  # i32 [B]
 
 
-def gathered(logits: jax.Array) -> jax.Array:
-    """The logits whole on every device under tensor parallelism: each device computes its slice of
-    the vocabulary (the LM head is split by it), then the slices are gathered, so the sampler works
-    on full rows and the head's weight never moves."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return logits
-    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(logits, P(None, MODEL_AXIS)), P())
+def full_logits(params: Params, model: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """fp32 logits [N, vocab_size] of the hidden states, whole on every device. Under tensor
+    parallelism each device computes its slice of the vocabulary (the LM head is split by it), then
+    the slices are gathered, so the sampler works on full rows and the head's weight never moves;
+    the padded vocabulary's extra columns are then cut off, so no token that does not exist is
+    sampled, ranked or returned."""
+    with jax.default_matmul_precision(matmul_precision(params)):
+        logits = compute_logits(params, model, hidden)
+    if not jax.sharding.get_abstract_mesh().empty:
+        logits = jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(logits, P(None, MODEL_AXIS)), P())
+    return logits[:, : model.vocab_size]
 
 
 def matmul_precision(params: Params) -> str:
@@ -187,8 +191,7 @@ def sample_step(
     params: Params, state: RunnerState, last_hidden: jax.Array, inp: SampleInputs, *, model: ModelConfig,
     kernels: Kernels, flags: SamplerFlags,
 ) -> tuple[SamplerOutput, RunnerState]:
-    with jax.default_matmul_precision(matmul_precision(params)):
-        logits = gathered(compute_logits(params, model, last_hidden[: inp.commit_rows.shape[0], 0]))
+    logits = full_logits(params, model, last_hidden[: inp.commit_rows.shape[0], 0])
     if flags.penalties or flags.bad_words:
         history = state.token_ids[inp.history_rows]
     else:
@@ -216,8 +219,7 @@ def spec_sample_step(
     """
     b, k = inp.commit_rows.shape[0], spec.num_speculative_tokens
     k1, num_rows = 1 + k, state.token_ids.shape[0]
-    with jax.default_matmul_precision(matmul_precision(params)):
-        logits = gathered(compute_logits(params, model, last_hidden[:b].reshape(b * k1, -1))).astype(jnp.float32)
+    logits = full_logits(params, model, last_hidden[:b].reshape(b * k1, -1)).astype(jnp.float32)
     slots = jnp.minimum(inp.history_rows, num_rows - 1)
     base = jnp.where(inp.relative, state.lens[slots] + inp.sampling.positions, inp.sampling.positions)
     positions = base[:, None] + jnp.arange(k1)[None, :]  # [B, 1 + k]
@@ -295,8 +297,7 @@ def propose(
         ids = state.token_ids[slots, pos]
         hidden, draft_kv = backbone(draft_params, draft_model, state.draft_kv, state, tokens, ids, kernels,
                                     kernels.pallas, 1, kv_scales)
-        with jax.default_matmul_precision(matmul_precision(draft_params)):
-            logits = compute_logits(draft_params, draft_model, hidden).astype(jnp.float32)
+        logits = full_logits(draft_params, draft_model, hidden).astype(jnp.float32)
         step_md = dataclasses.replace(row_md, positions=pos + 1)
         history = state.token_ids[slots] if flags.penalties or flags.bad_words else jnp.zeros((b, 0), jnp.int32)
         draft, q = draft_sample(process_logits(logits, step_md, flags, history, kernels), step_md)
@@ -386,6 +387,4 @@ def prompt_logprobs_step(
     params: Params, hidden: jax.Array, rows: jax.Array, targets: jax.Array, *, model: ModelConfig, num_top: int, as_logits: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Logprobs of `targets` (and the top `num_top`) from the logits at hidden[rows]; raw logits, as vLLM."""
-    with jax.default_matmul_precision(matmul_precision(params)):
-        logits = gathered(compute_logits(params, model, hidden[rows]))
-    return compute_logprobs(logits, targets, num_top, as_logits)
+    return compute_logprobs(full_logits(params, model, hidden[rows]), targets, num_top, as_logits)

@@ -73,6 +73,7 @@ def test_logprobs_print_one_line_per_token(model_dir, capsys):
     [
         (["--stream", "x", "y"], "--stream"),
         (["--temperature", "-1", "x"], "temperature"),
+        (["caf\udce9"], "not valid Unicode"),  # a Latin-1 argument: Python reads its byte as a lone surrogate
     ],
 )
 def test_bad_requests_exit_with_a_message(args, message, capsys):

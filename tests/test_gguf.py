@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import subprocess
 from pathlib import Path
 
 import gguf
@@ -205,6 +207,28 @@ def test_a_directory_with_two_gguf_files_asks_which(tmp_path):
     with pytest.raises(ValueError, match="several GGUF files"):
         open_checkpoint(tmp_path)
     assert os.path.isfile(tmp_path / "a.gguf")
+
+
+def test_a_damaged_cache_converts_anew_and_work_left_by_killed_conversions_goes(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", "tiny-qwen3")
+    out = model_files.converted(str(path))
+    want = open_checkpoint(out).load()
+    prefix = f".converting-{socket.gethostname()}-"
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    work = {name: Path(out).parent / name for name in
+            (f"{prefix}{dead_pid.pid}-a", f"{prefix}{os.getpid()}-b", ".converting-elsewhere-1-c")}
+    for directory in work.values():
+        directory.mkdir()
+    largest = max((f for f in Path(out, "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
+    with pytest.raises(ValueError, match="cannot restore the params") as info:
+        open_checkpoint(out).load()
+    assert "\n" not in str(info.value) and "delete the directory" in str(info.value)
+    assert model_files.converted(str(path)) == out  # converted anew
+    jax.tree.map(np.testing.assert_array_equal, open_checkpoint(out).load(), want)
+    assert [d.exists() for d in work.values()] == [False, True, True]  # this host's dead one only
 
 
 def test_an_unwritable_cache_is_named(tmp_path, monkeypatch):

@@ -3,6 +3,8 @@ prefix caching, preemption, stop handling as in vLLM, per-request errors, n > 1,
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import numpy as np
@@ -190,7 +192,8 @@ def test_params_the_runner_refuses_raise_before_anything_runs(llm, monkeypatch):
         if params.top_k != -1:
             raise ValueError("sampling parameter top_k is not supported by this runner yet")
 
-    monkeypatch.setattr(llm.llm_engine.runner, "check_sampling_params", refuse_top_k)
+    engine = llm.llm_engine
+    monkeypatch.setattr(engine, "processor", dataclasses.replace(engine.processor, check_params=refuse_top_k))
     with pytest.raises(ValueError, match="top_k"):
         llm.generate(["fine", "not fine"], [GREEDY, SamplingParams(top_k=5)], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()

@@ -234,9 +234,12 @@ def test_server_model_field_names_an_adapter_and_adapters_load_while_serving(tmp
     from test_server import post, start_server, stop_server
 
     loras = DATA / "loras"
+    (tmp_path / "roots").mkdir()
+    (tmp_path / "roots" / "outside").symlink_to(tmp_path)  # a link out of the roots
     proc, url = start_server(str(DATA / "models" / "tiny-llama"), "--skip-tokenizer-init", "--dtype", "float32",
                              "--max-model-len", "128", "--enable-lora", "--max-loras", "2",
-                             "--lora-modules", f"qv={loras / LLAMA_ADAPTERS[0]}", f"all={loras / LLAMA_ADAPTERS[1]}")
+                             "--lora-modules", f"qv={loras / LLAMA_ADAPTERS[0]}", f"all={loras / LLAMA_ADAPTERS[1]}",
+                             "--allow-runtime-lora-updating", "--lora-roots", str(loras), str(tmp_path / "roots"))
     prompt = prompts("tiny-llama")[1]
 
     def complete(model: str) -> tuple[int, dict]:
@@ -259,6 +262,7 @@ def test_server_model_field_names_an_adapter_and_adapters_load_while_serving(tmp
         with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
             cards = json.loads(r.read())["data"]
         assert [c["id"] for c in cards][1:] == ["qv", "all"] and cards[2]["parent"] == cards[0]["id"]
+        assert str(loras) not in json.dumps(cards)  # no server paths shown
         for model, name in (("qv", LLAMA_ADAPTERS[0]), ("all", LLAMA_ADAPTERS[1])):
             code, reply = complete(model)
             assert code == 200 and reply["model"] == model
@@ -271,7 +275,10 @@ def test_server_model_field_names_an_adapter_and_adapters_load_while_serving(tmp
         assert manage("load_lora_adapter", {"lora_name": "mlp", "lora_path": str(loras / LLAMA_ADAPTERS[2])})[0] == 200
         code, reply = complete("mlp")
         assert code == 200 and tokens(reply) == GOLDENS[f"greedy_{LLAMA_ADAPTERS[2]}_1"][:8].tolist()
-        broken = broken_adapter(tmp_path, "r32", {"peft_type": "LORA", "r": 32, "lora_alpha": 8})
+        refusals = {manage("load_lora_adapter", {"lora_name": "x", "lora_path": path})[1].replace(path, "PATH")
+                    for path in ("/etc", "/no/such/dir", str(tmp_path / "roots" / "outside"), str(loras / ".." / ".."))}
+        assert len(refusals) == 1 and "--lora-roots" in refusals.pop()  # the same words whether it exists or not
+        broken = broken_adapter(tmp_path / "roots", "r32", {"peft_type": "LORA", "r": 32, "lora_alpha": 8})
         code, message = manage("load_lora_adapter", {"lora_name": "big", "lora_path": str(broken)})
         assert code == 400 and "exceeds max_lora_rank=16" in message
         assert complete("big")[0] == 404

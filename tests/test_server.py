@@ -56,14 +56,15 @@ def start_server(*args: str) -> tuple[subprocess.Popen, str]:
 
 
 def stop_server(proc: subprocess.Popen) -> str:
-    """SIGTERM, then the server's log; it must have shut down cleanly (uvicorn exits through the
-    signal it caught, once shut down)."""
+    """SIGTERM, then the server's log; it must have shut down cleanly, with exit status 0 and no
+    traceback logged while it served."""
     proc.send_signal(signal.SIGTERM)
     try:
         log, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in log, log[-2000:]
+    assert proc.returncode == 0 and "Application shutdown complete" in log, log[-2000:]
+    assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]
     return log
 
 
@@ -218,9 +219,23 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(server, client):
             break
     assert metric(metrics(server), "kv_cache_usage_perc") > 0  # it was running
     stream.close()
+    host, port = server.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": [PROMPTS[4]] * 3, "max_tokens": 200, "temperature": 0.0, "ignore_eos": True}).encode()
+    with socket.create_connection((host, int(port))) as s:  # and one that leaves before its (whole) reply
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        while metric(metrics(server), "num_requests_running") < 3:
+            time.sleep(0.05)
     after = wait_idle(server)
     assert metric(after, "request_success_total", finished_reason="abort") == metric(
-        before, "request_success_total", finished_reason="abort") + 1
+        before, "request_success_total", finished_reason="abort") + 4
+
+
+def test_exposure_defaults_refuse_request_templates_and_adapter_loading(server):
+    status, error = post(f"{server}/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                           "chat_template": "{{ messages[0].content }}"})
+    assert status == 400 and "--trust-request-chat-template" in error["error"]["message"]
+    assert post(f"{server}/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"})[0] == 404
 
 
 @pytest.mark.parametrize("body, code, words", [
@@ -248,22 +263,24 @@ def test_malformed_requests_get_4xx_and_nothing_else_changes(server, client, alo
         assert r.status == 200
 
 
-def test_bench_serve_then_sigterm_drains_the_stream_in_flight_and_exits():
-    """One server of the tiny random model: `jaxrunner bench serve` against it, then SIGTERM."""
+def test_bench_serve_then_sigterm_drains_the_streams_in_flight_and_exits_0():
+    """One server of the tiny random model: `jaxrunner bench serve` against it, then SIGTERM while
+    eight streams run: each runs to its end, and the server exits with status 0."""
     proc, url = start_server("jaxrunner-tiny-random")
     result = serve_bench.run(url, num_prompts=12, request_rate=40.0, min_prompt=4, max_prompt=30, new=6)
     assert result["model"] == "jaxrunner-tiny-random" and result["output_tokens"] == 12 * 6
     assert result["tokens_per_s"] > 0 and 0 < result["ttft_ms"]["p50"] <= result["ttft_ms"]["p99"]
     assert result["itl_ms"]["p50"] > 0 and result["tpot_ms"]["mean"] > 0
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    stream = client.completions.create(model="jaxrunner-tiny-random", prompt="Hello", stream=True, max_tokens=200,
-                                       temperature=0.0, extra_body={"ignore_eos": True},
-                                       stream_options={"include_usage": True})
-    chunks = [next(stream)]
+    streams = [client.completions.create(model="jaxrunner-tiny-random", prompt=f"Hello {i}", stream=True, max_tokens=200,
+                                         temperature=0.0, extra_body={"ignore_eos": True},
+                                         stream_options={"include_usage": True}) for i in range(8)]
+    chunks = [[next(stream)] for stream in streams]  # every stream is running
     proc.send_signal(signal.SIGTERM)
-    chunks += list(stream)
-    assert chunks[-1].usage.completion_tokens == 200 and chunks[-2].choices[0].finish_reason == "length"
-    proc.wait(timeout=60)  # it exits on its own once the stream is done
+    for stream, got in zip(streams, chunks):
+        got += list(stream)
+        assert got[-1].usage.completion_tokens == 200 and got[-2].choices[0].finish_reason == "length"
+    proc.wait(timeout=60)  # it exits on its own once the streams are done
     stop_server(proc)
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{url}/health", timeout=2)

@@ -1,10 +1,12 @@
 """Tensor parallelism on four CPU devices (tests/conftest.py): greedy tokens at TP 2 and 4 equal to
-Hugging Face's (TP 1's) on the tiny checkpoints, GQA with fewer KV heads than devices included; the
-params and the cache really split; the compiled step's collectives; sizes that cannot split; two
-processes of two devices each running as one mesh."""
+Hugging Face's (TP 1's) on the tiny checkpoints, GQA with fewer KV heads than devices included; a
+vocabulary the split does not divide, padded; the params and the cache really split; the compiled
+step's collectives; sizes that cannot split; two processes of two devices each running as one mesh."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import gc
 import json
 import os
@@ -21,6 +23,7 @@ from driver import drive
 from jax.sharding import PartitionSpec as P
 
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
+from jaxrunner.config import SamplerConfig
 from jaxrunner.loader import load_model
 from jaxrunner.programs import SAMPLE
 
@@ -49,6 +52,82 @@ def test_greedy_tokens_equal_tp1(name, tp):
     runner = Runner(cfg, params, RunnerConfig(**CONFIG, tensor_parallel_size=tp))
     prompts, want = goldens(name)
     assert drive(runner, prompts, 32, chunk=11, stagger=1) == want
+
+
+ODD_VOCAB = 509  # a prime: TP 2 pads it to 510 tokens, TP 4 to 512
+ODD_PARAMS = [
+    SamplingParams(temperature=0.0, logprobs=5, prompt_logprobs=-1),
+    SamplingParams(temperature=0.0, logprobs=-1, prompt_logprobs=3),
+    SamplingParams(temperature=0.0, logprobs=-1),
+    SamplingParams(temperature=0.0, logprobs=2),
+    SamplingParams(temperature=0.8, seed=3, top_k=40, top_p=0.9, repetition_penalty=1.2,
+                   logit_bias={ODD_VOCAB - 1: 2.0}, logprobs=-1),
+]
+
+
+def odd_vocab_generate(tp: int, untied: bool = False) -> tuple[Runner, list[list[int]], list]:
+    """tiny-qwen3 cut to its first ODD_VOCAB tokens at TP `tp`: (the runner, the tokens of the goldens'
+    four prompts and of the second again, with ODD_PARAMS, every RunnerOutput). Every prompt and
+    greedy token of the goldens is below ODD_VOCAB and the cut leaves those tokens' logits as they
+    were, so Hugging Face's greedy tokens are still the goldens'. `untied`: the head stored apart from
+    the embedding (the same numbers), so that the LM head is padded too."""
+    cfg, params = load_model(DATA / "models" / "tiny-qwen3", "float32")
+    embed = params["embed"][:ODD_VOCAB]
+    params = dict(params, embed=embed) | ({"lm_head": embed.T} if untied else {})
+    cfg = dataclasses.replace(cfg, vocab_size=ODD_VOCAB, tie_word_embeddings=not untied)
+    config = RunnerConfig(**CONFIG | dict(max_num_seqs=8, request_buckets=(8,)), sampler=SamplerConfig(max_logprobs=-1),
+                          tensor_parallel_size=tp)
+    runner = Runner(cfg, params, config)
+    prompts, _ = goldens("tiny-qwen3")
+    outputs = []
+    tokens = drive(runner, prompts + prompts[1:2], 32, params=ODD_PARAMS, chunk=11, stagger=1, outputs=outputs)
+    return runner, tokens, outputs
+
+
+@functools.cache
+def odd_vocab_tp1() -> tuple[list[list[int]], list]:
+    return odd_vocab_generate(1)[1:]
+
+
+def logprob_rows(outputs: list) -> dict[tuple[str, str], list[dict[int, float]]]:
+    """The logprob rows of each request's sampled tokens and of its prompt, by (request id,
+    "sampled" or "prompt"), each row as {token id: logprob}."""
+    rows: dict[tuple[str, str], list[dict[int, float]]] = {}
+    for out in outputs:
+        for kind, found in (("sampled", out.logprobs), ("prompt", out.prompt_logprobs_dict)):
+            for rid, lp in found.items():
+                rows.setdefault((rid, kind), []).extend(
+                    dict(zip(ids.tolist(), values.tolist())) for ids, values in zip(lp.token_ids, lp.logprobs))
+    return rows
+
+
+@pytest.mark.parametrize("tp, untied, padded", [(2, False, 510), (4, True, 512)])
+def test_a_vocabulary_the_split_does_not_divide_is_padded_and_never_seen(tp, untied, padded):
+    """HF's greedy tokens, and TP 1's sampled ones (top-k, top-p, a penalty and a logit bias on the
+    last real token); the logprobs TP 1's, of real tokens only: top-k, the whole vocabulary
+    (max_logprobs=-1: exactly ODD_VOCAB of them), and the prompt's."""
+    runner, tokens, outputs = odd_vocab_generate(tp, untied)
+    tp1_tokens, tp1_outputs = odd_vocab_tp1()
+    embed, hidden = runner.params["embed"], runner.model_config.hidden_size
+    assert runner.model_config.padded_vocab_size == padded and embed.shape == (padded, hidden)
+    assert {s.data.shape for s in embed.addressable_shards} == {(padded // tp, hidden)}
+    assert not np.asarray(embed)[ODD_VOCAB:].any()
+    if untied:
+        head = runner.params["lm_head"]
+        assert {s.data.shape for s in head.addressable_shards} == {(hidden, padded // tp)}
+        assert not np.asarray(head)[:, ODD_VOCAB:].any()
+
+    _, want = goldens("tiny-qwen3")
+    assert tokens[:4] == tp1_tokens[:4] == want and tokens[4] == tp1_tokens[4]
+    got, tp1 = logprob_rows(outputs), logprob_rows(tp1_outputs)
+    whole = {("0", "prompt"), ("1", "sampled"), ("2", "sampled"), ("4", "sampled")}  # logprobs=-1
+    assert got.keys() == tp1.keys() == whole | {("0", "sampled"), ("1", "prompt"), ("3", "sampled")}
+    assert all(len(row) == ODD_VOCAB for key in whole for row in got[key])
+    for key, rows in tp1.items():
+        assert len(got[key]) == len(rows)
+        for row, tp1_row in zip(got[key], rows):
+            assert row.keys() == tp1_row.keys() and max(row) < ODD_VOCAB
+            np.testing.assert_allclose([row[t] for t in tp1_row], list(tp1_row.values()), rtol=0, atol=1e-4)
 
 
 def test_params_and_cache_are_split_over_the_devices():
@@ -84,7 +163,7 @@ def test_the_step_all_reduces_twice_a_layer_and_never_gathers_weights():
 def test_sizes_that_cannot_split_fail_at_start_naming_them():
     cfg, params = load_model(DATA / "models" / "tiny-llama", "float32")
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's num_attention_heads=4, "
-                                         r"intermediate_size=128, vocab_size=512, num_key_value_heads=2"):
+                                         r"intermediate_size=128, num_key_value_heads=2"):
         Runner(cfg, params, RunnerConfig(**CONFIG, tensor_parallel_size=3))
     with pytest.raises(ValueError, match="tensor_parallel_size=8 needs 8 devices, but 4 CPU device"):
         Runner(cfg, params, RunnerConfig(**CONFIG, tensor_parallel_size=8))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jaxrunner.checks import check_text
+
 Conversation = list[dict]
 
 
@@ -23,6 +25,8 @@ def conversations(messages: Conversation | Sequence[Conversation]) -> list[Conve
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                     and isinstance(message.get("content"), str)):
                 raise ValueError(f"each message must be a dict with a string 'role' and 'content', got {message!r:.80}")
+            check_text("chat", "a message's role", message["role"])
+            check_text("chat", "a message's content", message["content"])
     return batch
 
 
@@ -42,10 +46,16 @@ def render_chat(
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
     prompts = []
+    if chat_template is not None:
+        check_text("chat", "chat_template", chat_template)
     for conversation in batch:
-        text = tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-        )
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            )
+        except Exception as e:  # a template is code: any error it raises is this chat's, not the engine's
+            raise ValueError(f"the chat template does not render: {type(e).__name__}: {str(e):.200}") from None
+        check_text("chat", "the rendered chat", text)
         prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
     return prompts

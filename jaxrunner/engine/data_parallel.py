@@ -17,7 +17,8 @@ import dataclasses
 import itertools
 from collections.abc import Iterable
 
-from jaxrunner.engine.engine import LLMEngine, ProcessedPrompt, Prompt
+from jaxrunner.engine.engine import LLMEngine
+from jaxrunner.engine.processor import ProcessedPrompt, Processor, Prompt
 from jaxrunner.engine.engine_args import EngineArgs
 from jaxrunner.engine.outputs import EngineStats, RequestOutput
 from jaxrunner.engine.scheduler import SpecDecodingStats
@@ -34,6 +35,7 @@ class DataParallelEngine:
         self.replicas = [LLMEngine(dataclasses.replace(args, data_parallel_rank=r)) for r in range(args.data_parallel_size)]
         first = self.replicas[0]
         self.args, self.config, self.model_config, self.tokenizer = args, first.config, first.model_config, first.tokenizer
+        self.processor: Processor = first.processor
         self.startup = first.startup
         self._owner: dict[str, LLMEngine] = {}  # request id -> its replica, until its last output
 

@@ -35,9 +35,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 import jax
-import numpy as np
 
-from jaxrunner.checks import token_ids
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.default_model import default_tokenizer
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
@@ -53,6 +51,7 @@ from jaxrunner.engine.engine_args import (
 )
 from jaxrunner.engine.model_files import local_model
 from jaxrunner.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from jaxrunner.engine.processor import ProcessedPrompt, Processor, Prompt
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.engine.structured_output import GrammarCompiler, new_grammar
@@ -64,18 +63,7 @@ from jaxrunner.step_io import LogprobsArrays, RunnerOutput
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int] | dict
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-@dataclass(frozen=True)
-class ProcessedPrompt:
-    """A prompt tokenized and checked; `error` says why it cannot run (it then fails alone)."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    error: str | None = None
 
 
 @dataclass
@@ -143,6 +131,8 @@ class LLMEngine:
         sized = time.perf_counter()
         self.runner = Runner(self.model_config, params, self.config, draft)
         self.state = self.runner.init_state()
+        self.processor = Processor(self.tokenizer, self.runner.check_sampling_params, self.config.max_model_len,
+                                   self.model_config.vocab_size)
         self.startup: dict = {}  # the start-up report: seconds per phase, programs, KV cache size
         if warm_up(args):
             report = self.runner.warmup()
@@ -167,21 +157,8 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, _wait_for, self._in_flight)
 
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
-        """Tokenize and check one prompt. Raises ValueError for a malformed prompt or for sampling
-        parameters the engine or runner cannot honour (nothing is queued then); a prompt that is
-        well-formed but cannot run (too long, token ids outside the vocabulary) fails only its
-        request."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self._tokenize(prompt)
-        if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids with skip_tokenizer_init=True")
-        if params.bad_words and self.tokenizer is not None:
-            params = params.with_bad_words_tokenized(self.tokenizer)
-        if params.structured_outputs is not None and self.tokenizer is None:
-            raise ValueError("structured outputs need the tokenizer: leave skip_tokenizer_init off")
-        self.runner.check_sampling_params(params, len(ids))
-        return ProcessedPrompt(text, ids, params, self._prompt_error(ids))
+        """`prompt` tokenized and checked by `self.processor` (see `Processor.process`)."""
+        return self.processor.process(prompt, params)
 
     def add_request(
         self,
@@ -499,43 +476,6 @@ class LLMEngine:
             num_cached_tokens=max(parent.children[0].request.num_cached_tokens, 0),
             error="; ".join(errors) or None,
         )
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), token_ids("prompt", "prompt_token_ids", prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; give token ids with skip_tokenizer_init=True")
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple, np.ndarray)):
-            return None, token_ids("prompt", "a prompt of token ids", prompt)
-        raise ValueError(
-            f"unsupported prompt {prompt!r:.80}: give a string, a list of token ids or {{'prompt_token_ids': [...]}}"
-        )
-
-    def _prompt_error(self, ids: list[int]) -> str | None:
-        max_len = self.config.max_model_len
-        if not ids:
-            return "the prompt is empty"
-        if len(ids) > max_len:
-            return (
-                f"the prompt (length {len(ids)}) is longer than the maximum model length of {max_len}; "
-                "shorten it or raise max_model_len"
-            )
-        if len(ids) == max_len:
-            return (
-                f"the prompt (length {len(ids)}) fills the maximum model length of {max_len}, leaving no room "
-                "for output; shorten it or raise max_model_len"
-            )
-        vocab = self.model_config.vocab_size
-        if bad := [t for t in ids if not 0 <= t < vocab]:
-            return f"the prompt holds token ids {bad[:5]} outside the model's vocabulary (size {vocab})"
-        return None
 
 
 def _wait_for(in_flight: deque[PendingOutput]) -> None:

