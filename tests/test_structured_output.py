@@ -4,7 +4,9 @@ logits processor.
 With the real default model (SmolLM2-135M-Instruct), every output follows its JSON schema, regex,
 choice or Lark grammar; with the tiny random model, the machinery: plain requests keep exactly their
 tokens beside structured ones, a bad grammar fails its request alone, async scheduling holds a
-structured request's masks are filled while its forward pass runs, and drafts are cut and masked by the grammar.
+structured request's masks are filled while its forward pass runs, and drafts are cut and masked by the grammar;
+with the tiny model's tokenizer alone, grammars past llguidance's limits fail at compile time and say so, and JSON
+whitespace is bounded.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from test_async_multistep import ENGINE
 
 from jaxrunner import LLM, CachedRequestData, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput, StructuredOutputsParams
 from jaxrunner.config import Kernels, SamplerConfig
-from jaxrunner.engine.default_model import default_model
+from jaxrunner.engine.default_model import default_model, default_tokenizer
+from jaxrunner.engine.structured_output import Grammar, GrammarCompiler, fill_bitmask, new_grammar
 from jaxrunner.pending_output import PendingOutput
 from jaxrunner.sampling import build_sampling_metadata, mask_words, prepare_request, process_logits
 
@@ -138,6 +141,14 @@ def test_lark_grammar_output_parses(real_outputs):
     assert text and lark.Lark(ARITHMETIC).parse(text)
 
 
+def test_json_on_a_prompt_that_does_not_ask_for_it_closes(real_llm):
+    """Under any whitespace the model writes blank lines between the JSON tokens until max_tokens."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "name": {"type": "string"}}, "required": ["ok", "name"]}
+    out = real_llm.generate(["Hello"], structured(json=schema), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), schema)
+
+
 def test_the_masks_change_what_the_model_writes(real_llm, real_outputs):
     """Unconstrained, the model writes no bare choice and no fully-matching date: the grammar did it."""
     prompts = [*REGEXES][:1] + [*CHOICES][:1]
@@ -231,15 +242,89 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(plain_alone):
         ("x", structured(regex="[a-")),
         ("x", structured(json={"type": "object", "properties": {"a": {"type": "nonsense"}}})),
         ("x", structured(grammar="start: (")),
+        ("x", structured(regex="a{1000000}")),  # past a limit that llguidance reports at the first token
     ]
     outs, errors, llm = tiny_generate(PLAIN + bad + TINY_STRUCTURED)
     assert outs[: len(PLAIN)] == plain_alone
     check_tiny_structured(outs[len(PLAIN) + len(bad):])
     failed = slice(len(PLAIN), len(PLAIN) + len(bad))
-    for out, error in zip(outs[failed], errors[failed], strict=True):
-        assert out[0][2] == "error" and "grammar" in error and not out[0][0]
-    assert "regex" in errors[len(PLAIN)] and "nonsense" in errors[len(PLAIN) + 1]
+    for out, error, kind in zip(outs[failed], errors[failed], ["regex", "JSON schema", "grammar", "regex"], strict=True):
+        assert out[0][2] == "error" and error.startswith(f"the {kind} ") and not out[0][0]
+    assert "nonsense" in errors[len(PLAIN) + 1] and "lexer work limit" in errors[len(PLAIN) + 3]
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+# Grammars alone, for the tiny model's tokenizer: one token per character.
+TINY_TOKENIZER = default_tokenizer()
+EOS = TINY_TOKENIZER.eos_token_id
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    compiler = GrammarCompiler(TINY_TOKENIZER, len(TINY_TOKENIZER), [EOS])
+    yield compiler
+    compiler.shutdown()
+
+
+def grammar(grammars: GrammarCompiler, **kwargs) -> Grammar:
+    return new_grammar(grammars.compile(StructuredOutputsParams(**kwargs)).result())
+
+
+def chars(text: str) -> list[int]:
+    return TINY_TOKENIZER.encode(text, add_special_tokens=False)
+
+
+def test_a_regex_past_a_limit_fails_at_compile_time_and_names_it(grammars):
+    """llguidance takes a{1000000}, then its lexer runs out of work at the first token."""
+    with pytest.raises(ValueError) as failed:
+        grammar(grammars, regex="a{1000000}")
+    message = str(failed.value)
+    assert message.startswith("the regex goes past llguidance's lexer work limit") and "repetition counts" in message
+    assert "JSON schema" not in message and len(message) < 300
+
+
+def test_ten_thousand_choices_compile_and_big_grammars_fail_short(grammars):
+    """As the alternatives of one Lark rule, 10,000 choices went past the parser's limit at the
+    first token, with the whole grammar in the error."""
+    choices = [f"option number {i}" for i in range(10_000)]
+    choice = grammar(grammars, choice=choices)
+    assert all(choice.accept(t) for t in chars(choices[-1])) and choice.stopped
+    with pytest.raises(ValueError) as failed:
+        grammar(grammars, grammar="start: " + " | ".join(map(json.dumps, choices)))
+    message = str(failed.value)
+    assert message.startswith("the grammar goes past llguidance's limit on the rules a parser row holds")
+    assert "fewer alternatives" in message and len(message) < 400
+
+
+def test_a_grammar_that_fails_while_generating_ends_in_error_not_stop(grammars):
+    """Past its first token a grammar can still run out of a limit, and the copies of a template
+    share its lexer: one request's failure leaves the others masks that allow EOS alone, and EOS
+    ends them with the error, not as if their text were complete."""
+    first, second = grammar(grammars, regex="(b|c)a{1000000}"), grammar(grammars, regex="(b|c)a{1000000}")
+    assert first.accept(*chars("c")) and second.accept(*chars("c"))
+    fill_bitmask([(first, [])], len(TINY_TOKENIZER))
+    assert not first.accept(*chars("a"))
+    mask = fill_bitmask([(second, [])], len(TINY_TOKENIZER))
+    assert np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist() == [EOS]
+    assert not second.accept(EOS)
+    assert second.error == "lexer error: too many expressions constructed; past llguidance's lexer work limit"
+
+
+def test_json_whitespace_is_bounded_and_compact_json_stays_compact(grammars):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "xs": {"type": "array", "items": {"type": "integer"}}}}
+    value = {"ok": True, "xs": [1, 2]}
+    pretty, spaced, compact = json.dumps(value, indent=4), json.dumps(value), json.dumps(value, separators=(",", ":"))
+    cases = [
+        ({"json": schema}, [pretty, spaced, compact], ["{\n\n\n", "{" + " " * 17, '{"ok"\n\n:']),
+        ({"json": schema, "disable_any_whitespace": True}, [compact], [pretty, spaced]),
+        ({"json": {**schema, "x-guidance": {"whitespace_flexible": False}}}, [compact], [pretty, spaced]),
+    ]
+    for kwargs, good, bad in cases:
+        for text in good:
+            json_grammar = grammar(grammars, **kwargs)
+            assert all(json_grammar.accept(t) for t in chars(text)) and json_grammar.matcher.is_accepting(), (kwargs, text)
+        for text in bad:
+            assert len(grammar(grammars, **kwargs).valid_drafts(chars(text))) < len(chars(text)), (kwargs, text)
 
 
 def recorded_steps(llm: LLM, monkeypatch) -> list[tuple[str, object]]:

@@ -27,19 +27,83 @@ from jaxrunner.sampling_params import StructuredOutputsParams
 
 # Grammar texts whose compiled templates are kept (the oldest is dropped past this).
 MAX_CACHED_GRAMMARS = 512
+# llguidance's own limits on a grammar's size and on the work of a step, with errors kept short: its
+# verbose ones carry the parser's state and the whole grammar.
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# The whitespace JSON may hold between two of its tokens: one line break, then indentation (four
+# levels of it, in spaces or tabs). Under llguidance's default, any run of whitespace, a small model
+# can write whitespace until max_tokens.
+JSON_WHITESPACE = r"(\r?\n)?( {0,16}|\t{0,4})"
+# Pieces of llguidance's errors that mean a grammar went past one of its limits, and that limit.
+LIMIT_ERRORS = {
+    "too many expressions constructed": "lexer work limit",
+    "fuel exhausted": "lexer work limit",
+    "lexer precomputation failed": "lexer work limit",
+    "initial lexer configuration (grammar) too big": "lexer size limit",
+    "too many states": "lexer state limit",
+    "items; max is": "limit on the rules a parser row holds",
+    "Too many items": "parser work limit",
+    "grammar size (number of symbols) too big": "grammar size limit",
+}
+# How a grammar of each kind keeps within those limits.
+SMALLER = {
+    "JSON schema": "smaller maxLength, maxItems and enums, and simpler patterns",
+    "regex": "smaller repetition counts (such as {n}) and fewer alternatives",
+    "choice list": "fewer or shorter choices",
+    "grammar": "fewer alternatives in a rule and smaller repetition counts",
+}
+# Errors quote at most this much of llguidance's message (which may quote the grammar).
+MAX_QUOTED = 200
 
 
-def grammar_spec(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a structured-output request (choices are a Lark alternation of literals)."""
+def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
+    """The kind of a structured-output request's grammar, as errors name it, and its llguidance
+    grammar. Choices are one Lark terminal, so that the lexer, not the parser, tells them apart:
+    the parser holds every alternative of a rule at once, and stops at a few thousand."""
     if params.json is not None or params.json_object:
-        schema = params.json if params.json is not None else {"type": "object"}
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        schema = {"type": "object"} if params.json is None else params.json
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        if params.disable_any_whitespace:
+            options = {"whitespace_flexible": False}
+        elif _sets_whitespace(schema):
+            options = {}
+        else:
+            options = {"whitespace_pattern": JSON_WHITESPACE}
+        try:
+            return "JSON schema", llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        except ValueError as e:  # llguidance rejects a schema that is not a JSON object here
+            raise ValueError(f"the JSON schema is not valid: {_quoted(str(e))}") from None
     if params.regex is not None:
-        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+        return "regex", llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
-    return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+        return "choice list", llguidance.LLMatcher.grammar_from_lark(
+            "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in params.choice))
+    return "grammar", llguidance.LLMatcher.grammar_from_lark(params.grammar)
+
+
+def _sets_whitespace(schema) -> bool:
+    """Whether a schema's own llguidance options (`x-guidance`) set whitespace_flexible, which a
+    default whitespace_pattern would override."""
+    options = schema.get("x-guidance") if isinstance(schema, dict) else None
+    return isinstance(options, dict) and "whitespace_flexible" in options
+
+
+def _quoted(error: str) -> str:
+    text = " ".join(error.replace("<non-verbose/>", "").split())
+    return text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED] + "..."
+
+
+def _limit(error: str) -> str | None:
+    return next((limit for piece, limit in LIMIT_ERRORS.items() if piece in error), None)
+
+
+def _compile_error(kind: str, error: str) -> str:
+    """What to tell the user about a grammar that llguidance failed on with `error`."""
+    limit = _limit(error)
+    if limit is None:
+        return f"the {kind} does not compile: {_quoted(error)}"
+    return f"the {kind} goes past llguidance's {limit} ({_quoted(error)}): use {SMALLER[kind]}"
 
 
 class Grammar:
@@ -49,8 +113,9 @@ class Grammar:
         self.matcher = matcher
 
     def accept(self, token: int) -> bool:
-        """Advance past `token`; False if the grammar does not allow it (the matcher then stays in error)."""
-        return self.matcher.consume_token(token)
+        """Advance past `token`; False if the grammar does not allow it, or failed before (the
+        matcher then stays in error). A failed matcher's masks allow EOS alone, and it takes EOS."""
+        return self.matcher.consume_token(token) and not self.matcher.is_error()
 
     @property
     def stopped(self) -> bool:
@@ -59,7 +124,9 @@ class Grammar:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error()
+        error = self.matcher.get_error()
+        limit = _limit(error)
+        return _quoted(error) if limit is None else f"{_quoted(error)}; past llguidance's {limit}"
 
     def valid_drafts(self, drafts: Sequence[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar allows from here."""
@@ -82,17 +149,17 @@ class GrammarCompiler:
         """A future of the grammar's template matcher (its exception: a ValueError that says why
         the grammar does not compile). Copy it per request with `new_grammar`."""
         try:
-            text = grammar_spec(params)
-        except ValueError as e:  # llguidance rejects a schema that is not a JSON object here
+            kind, text = grammar_spec(params)
+        except ValueError as e:
             failed = Future()
-            failed.set_exception(ValueError(f"the JSON schema is not valid: {e}"))
+            failed.set_exception(e)
             return failed
         if text not in self._templates:
             if self._tokenizer is None:
                 self._tokenizer = self._pool.submit(self._ll_tokenizer)
             if len(self._templates) >= MAX_CACHED_GRAMMARS:
                 self._templates.pop(next(iter(self._templates)))
-            self._templates[text] = self._pool.submit(self._compile, text)
+            self._templates[text] = self._pool.submit(self._compile, kind, text)
         return self._templates[text]
 
     def shutdown(self) -> None:
@@ -112,11 +179,25 @@ class GrammarCompiler:
                              f"{self._vocab_size}: structured outputs need a tokenizer that matches the model")
         return tokenizer
 
-    def _compile(self, text: str) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._tokenizer.result(), text, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"the grammar does not compile: {' '.join(matcher.get_error().split())}")
+    def _compile(self, kind: str, text: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self._tokenizer.result(), text, log_level=0, limits=LIMITS)
+        error = matcher.get_error() or self._first_token_error(matcher)
+        if error:
+            raise ValueError(_compile_error(kind, error))
         return matcher
+
+    def _first_token_error(self, matcher: llguidance.LLMatcher) -> str:
+        """llguidance builds the lexer for the first mask, and a lexer that ran out of its limits
+        there shows only at the next token: the template takes its first mask (which the step path
+        then does not pay for) and a copy the first token it allows, so that such a grammar fails
+        here, before any request runs on it."""
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+        allowed = np.setdiff1d(np.flatnonzero(bits), self._eos)
+        if matcher.is_error() or not allowed.size:
+            return matcher.get_error()
+        trial = matcher.deep_copy()
+        trial.consume_token(int(allowed[0]))
+        return trial.get_error()
 
 
 class _TextTokens:
