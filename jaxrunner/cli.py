@@ -3,7 +3,7 @@
     jaxrunner generate "The capital of France is"                # the default model, SmolLM2-135M-Instruct
     jaxrunner generate --model DIR --temperature 0 --max-tokens 64 "Hello" "Bonjour"
     jaxrunner generate --model org/name "Hello"                  # a Hugging Face Hub id (its cache first)
-    jaxrunner chat                                               # talk to the model; tokens stream as they come
+    jaxrunner chat                                               # talk to the model (/params, /temperature 0.7, /exit)
     jaxrunner serve [MODEL] --port 8000                          # an OpenAI-compatible server (jaxrunner.server)
     jaxrunner generate --model DIR --stream "Once upon a time"
     jaxrunner generate --temperature 0 --logprobs 3 --prompt-logprobs 1 "Hello"   # one line per token
@@ -12,13 +12,16 @@
     jaxrunner bench serve --request-rate 64      # W2's requests through a running `jaxrunner serve`
 
 Engine and sampling flags keep vLLM's names (--max-model-len, --max-num-seqs, --max-tokens, --top-p,
---stop, ...). Sampling flags left out keep SamplingParams' defaults. `bench` runs on random weights
-in a named shape; the workload logic is in `jaxrunner.bench`.
+--stop, ...). Sampling flags left out take the model's defaults (its generation_config.json; the
+built-in model's are jaxrunner's), else SamplingParams'; `--generation-config vllm` keeps
+SamplingParams' own. `bench` runs on random weights in a named shape; the workload logic is in
+`jaxrunner.bench`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -28,9 +31,9 @@ from jaxrunner.models.shapes import SHAPES
 # (flag, type, help) for the SamplingParams fields the CLI exposes; `type` None means a switch.
 SAMPLING_FLAGS = (
     ("n", int, "completions per prompt"),
-    ("max_tokens", int, "output tokens per completion (default 16)"),
+    ("max_tokens", int, "output tokens per completion (default: the model's, else 16)"),
     ("min_tokens", int, "output tokens before EOS or stop ids may end a completion"),
-    ("temperature", float, "0 is greedy (default 1.0)"),
+    ("temperature", float, "0 is greedy (default: the model's, else 1.0)"),
     ("top_p", float, None),
     ("top_k", int, None),
     ("min_p", float, None),
@@ -66,6 +69,8 @@ ENGINE_FLAGS = (
     ("enable_lora", None, "serve LoRA adapters"),
     ("max_loras", int, "LoRA adapters in one batch (device slots)"),
     ("max_lora_rank", int, "the largest adapter rank"),
+    ("generation_config", str, "sampling defaults: auto (the model's generation_config.json), vllm (SamplingParams' "
+                               "own) or a directory holding a generation_config.json"),
 )
 
 
@@ -260,14 +265,14 @@ def _text(value: str | None) -> str | None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from jaxrunner.sampling_params import SamplingParams
-
-    params = SamplingParams(**_given(args, SAMPLING_FLAGS), structured_outputs=_structured(args))
+    given = {**_given(args, SAMPLING_FLAGS), "structured_outputs": _structured(args)}
+    params = _sampling({}, given)  # a bad flag fails before the model loads
     if args.stream and (len(args.prompts) > 1 or params.n > 1):
         raise ValueError("--stream prints one completion: give one prompt and n = 1")
     ids_only = bool(args.skip_tokenizer_init)
     prompts = [_token_ids(p) for p in args.prompts] if ids_only else args.prompts
     with _open_llm(args) as llm:
+        params = _sampling(llm.llm_engine.sampling_defaults, given)
         if args.stream:
             return _stream(llm, prompts[0], params, ids_only)
         status = 0
@@ -287,17 +292,21 @@ def generate(args: argparse.Namespace) -> int:
 
 def chat(args: argparse.Namespace) -> int:
     """Read a user turn per line, stream the reply, keep the conversation; /exit or end of input leaves."""
-    from jaxrunner.sampling_params import SamplingParams
+    from jaxrunner.engine.generation_config import FIELDS
 
     if args.skip_tokenizer_init:
         raise ValueError("chat needs a tokenizer: leave out --skip-tokenizer-init")
     given = _given(args, SAMPLING_FLAGS)
     if given.get("n", 1) != 1:
         raise ValueError("chat streams one reply per turn: leave out --n")
-    params = SamplingParams(**{"max_tokens": CHAT_MAX_TOKENS, **given})
+    _sampling({"max_tokens": CHAT_MAX_TOKENS}, given)  # a bad flag fails before the model loads
+    settings = tuple(FIELDS.values())  # what a model's defaults set, and /NAME VALUE changes
     history = [{"role": "system", "content": args.system}] if args.system else []
     with _open_llm(args) as llm:
+        params = _sampling({"max_tokens": CHAT_MAX_TOKENS, **llm.llm_engine.sampling_defaults}, given)
         llm.render_chat([{"role": "user", "content": ""}])  # no chat template: fail before the first turn
+        print(f"/params shows the sampling settings, /temperature 0.7 changes one ({', '.join(settings)}), "
+              "/exit leaves.", file=sys.stderr)
         while True:
             try:
                 line = input("> ").strip()
@@ -306,11 +315,19 @@ def chat(args: argparse.Namespace) -> int:
                 return 0
             if line in ("/exit", "/quit"):
                 return 0
+            if line.startswith("/"):
+                params = _chat_command(line, params, settings)
+                continue
             if not line:
                 continue
-            history.append({"role": "user", "content": line})
+            asked = [*history, {"role": "user", "content": line}]
+            history, prompt = _within_context(llm, asked, params.max_tokens)
+            if dropped := (len(asked) - len(history)) // 2:
+                print(f"[dropped the oldest {dropped} turn(s): the conversation and a reply of max_tokens="
+                      f"{params.max_tokens} must fit the model's {llm.llm_engine.config.max_model_len} tokens]",
+                      file=sys.stderr)
             reply, final = "", None
-            for final in llm.generate_stream(llm.render_chat(history), params):
+            for final in llm.generate_stream(prompt, params):
                 for c in final.outputs:
                     print(c.text, end="", flush=True)
                     reply += c.text
@@ -319,6 +336,45 @@ def chat(args: argparse.Namespace) -> int:
                 history.pop()
                 continue
             history.append({"role": "assistant", "content": reply})
+
+
+def _chat_command(line: str, params, settings: tuple[str, ...]):
+    """`/params` shows the `settings` in use, `/NAME VALUE` changes one and shows them; anything else
+    shows the commands. The params from then on."""
+    name, _, value = line[1:].partition(" ")
+    name, value = name.replace("-", "_"), value.strip()
+    if name in settings and value:
+        kind = {flag: kind for flag, kind, _ in SAMPLING_FLAGS}[name]
+        try:
+            params = dataclasses.replace(params, **{name: kind(value)})
+        except ValueError as e:
+            print(f"/{name}: {e}", file=sys.stderr)
+            return params
+    elif (name, value) != ("params", ""):
+        print(f"commands: /params, /NAME VALUE for NAME in {', '.join(settings)}, /exit", file=sys.stderr)
+        return params
+    print(" ".join(f"{setting}={getattr(params, setting)}" for setting in settings))
+    return params
+
+
+def _within_context(llm, history: list[dict], reply_tokens: int) -> tuple[list[dict], dict]:
+    """The conversation less its oldest turns (a user message and its reply) while its prompt and a
+    reply of `reply_tokens` would not fit the model's context, and its prompt. The system message
+    and the newest message stay: one too long on its own is the engine's error to report."""
+    max_len = llm.llm_engine.config.max_model_len
+    first = 1 if history[0]["role"] == "system" else 0
+    (prompt,) = llm.render_chat(history)
+    while len(prompt["prompt_token_ids"]) + reply_tokens > max_len and len(history) > first + 1:
+        history = history[:first] + history[first + 2:]
+        (prompt,) = llm.render_chat(history)
+    return history, prompt
+
+
+def _sampling(defaults: dict, given: dict):
+    """The flags given over `defaults` (the model's, or none yet), as SamplingParams."""
+    from jaxrunner.sampling_params import SamplingParams
+
+    return SamplingParams(**{**defaults, **given})
 
 
 def _stream(llm, prompt, params, ids_only: bool) -> int:

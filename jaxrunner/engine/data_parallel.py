@@ -37,6 +37,7 @@ class DataParallelEngine:
         self.args, self.config, self.model_config, self.tokenizer = args, first.config, first.model_config, first.tokenizer
         self.processor: Processor = first.processor
         self.startup = first.startup
+        self.sampling_defaults = first.sampling_defaults
         self._owner: dict[str, LLMEngine] = {}  # request id -> its replica, until its last output
 
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:

@@ -16,6 +16,9 @@ A structured-output request waits, off the scheduler, while its grammar compiles
 (`GrammarCompiler`), then runs with a copy of it; a grammar that does not compile fails its
 request alone (finish_reason "error", `error` says why).
 
+A request without sampling params takes `sampling_defaults`: the model's, from its
+generation_config.json (`engine.generation_config`), else SamplingParams' own.
+
 A request ends with finish_reason "abort" when aborted (its blocks freed at once, any token still in
 flight for it dropped), or "error" when its logits held NaN. `drain()` waits for every step in
 flight; `close()` drains and aborts the rest, and an engine never closed is drained when dropped or
@@ -49,6 +52,7 @@ from jaxrunner.engine.engine_args import (
     scheduler_config,
     warm_up,
 )
+from jaxrunner.engine.generation_config import sampling_defaults
 from jaxrunner.engine.model_files import local_model
 from jaxrunner.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from jaxrunner.engine.processor import ProcessedPrompt, Processor, Prompt
@@ -111,10 +115,15 @@ def load_tokenizer(args: EngineArgs):
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
+        built_in = False
         if args.load_format == "auto":  # the model's files on local disk (None: the tiny random model)
             need_tokenizer = args.tokenizer is None and not args.skip_tokenizer_init
-            args = dataclasses.replace(args, model=local_model(args.model, need_tokenizer))
+            local = local_model(args.model, need_tokenizer)
+            built_in = args.model is None and local is not None
+            args = dataclasses.replace(args, model=local)
         self.args = args
+        # The SamplingParams fields a request leaves out take (vLLM's generation_config).
+        self.sampling_defaults = sampling_defaults(args.generation_config, args.model, built_in)
         self._closed = False
         checkpoint = open_model(args)  # before the tokenizer: a bad path or file is named as such
         self.tokenizer = load_tokenizer(args)
@@ -181,7 +190,8 @@ class LLMEngine:
         if lora_request is not None and not self.config.lora.enabled:
             raise ValueError("a LoRA request needs LoRA on: pass enable_lora=True (--enable-lora)")
         inputs = (
-            prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt, params or SamplingParams())
+            prompt if isinstance(prompt, ProcessedPrompt)
+            else self.process_prompt(prompt, params or SamplingParams(**self.sampling_defaults))
         )
         if lora_request is not None and inputs.error is None:
             try:

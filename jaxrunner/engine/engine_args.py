@@ -21,6 +21,7 @@ from jaxrunner.checks import check_bool, check_int, is_real
 from jaxrunner.config import KERNEL_CHOICES, LoraConfig, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig
 from jaxrunner.engine.block_manager import blocks_to_hold, null_blocks
 from jaxrunner.engine.default_model import default_model, default_model_config
+from jaxrunner.engine.generation_config import check_generation_config
 from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.loader import Checkpoint, open_checkpoint
@@ -63,7 +64,9 @@ class EngineArgs:
     (default `max_loras`). `tensor_parallel_size`: devices the model is split over (Megatron style,
     `jaxrunner.parallel`); `data_parallel_size`: replicas of it, each on devices of its own
     (`engine.data_parallel`; `data_parallel_rank` is the replica an engine is). `kv_cache_dtype`:
-    "auto" (the model's dtype) or "fp8" (e4m3 pages, twice the blocks; `config.RunnerConfig`)."""
+    "auto" (the model's dtype) or "fp8" (e4m3 pages, twice the blocks; `config.RunnerConfig`).
+    `generation_config`: where requests' sampling defaults come from, "auto" (the model's
+    generation_config.json), "vllm" (SamplingParams' own) or a directory (`engine.generation_config`)."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -94,6 +97,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         where = "EngineArgs"
@@ -126,6 +130,7 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        check_generation_config(self.generation_config)
         self.sampler_config()  # its own checks (logprobs settings), before anything loads
         check_int(where, "max_loras", self.max_loras, 1)
         self.lora_config()

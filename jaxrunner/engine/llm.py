@@ -5,7 +5,8 @@
         print(out.outputs[0].text)
 
 `LLM()` with no model uses the built-in default model (see `model_files`); `chat` applies the
-tokenizer's chat template first.
+tokenizer's chat template first. Without sampling params a call takes the model's sampling defaults
+(`get_default_sampling_params`), as vLLM does.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from jaxrunner.sampling_params import SamplingParams
 class LLM:
     """`engine_args` keep vLLM's names: dtype, max_model_len, block_size, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, gpu_memory_utilization, num_gpu_blocks_override,
-    seed, tokenizer, skip_tokenizer_init, max_logprobs, logprobs_mode (see `EngineArgs`).
+    seed, tokenizer, skip_tokenizer_init, max_logprobs, logprobs_mode, generation_config (see `EngineArgs`).
 
     `close()` (or a `with` block) waits for the device and frees the engine; an LLM left open is
     closed at interpreter exit."""
@@ -51,6 +52,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params uses: the model's defaults (its generation_config.json,
+        see `EngineArgs.generation_config`) over SamplingParams' own."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
 
     def generate(
         self,
@@ -161,7 +167,7 @@ class LLM:
         """Check every prompt first, so a bad prompt or sampling parameter raises before anything is queued."""
         prompt_list = _prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompt_list)
         elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, dict)):

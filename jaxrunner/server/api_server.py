@@ -193,7 +193,7 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, options: S
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name, lora = check_model(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(llm.engine.sampling_defaults)
         reply = _Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", name, body, params.n)
         streams = await _add(llm, reply.id, body.prompts(), params, lora)
         if body.stream:
@@ -204,7 +204,7 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, options: S
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         name, lora = check_model(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(llm.engine.sampling_defaults)
         if body.chat_template is not None and not options.trust_request_chat_template:
             raise ValueError("this server takes no chat_template from requests (a template is code the server runs); "
                              "leave the field out to use the model's, or start the server with --trust-request-chat-template")

@@ -1,5 +1,6 @@
 """The OpenAI request bodies (pydantic), with vLLM's extra sampling fields, and their mapping onto
-`SamplingParams`. Unknown fields are refused, so a misspelt parameter is a 400 that names it rather
+`SamplingParams`: a field the body leaves out takes the model's default (vLLM's generation_config),
+else OpenAI's. Unknown fields are refused, so a misspelt parameter is a 400 that names it rather
 than a default silently used. What one request may ask for is bounded (completions per prompt,
 prompts, stop strings), so no single request takes the engine from the others."""
 
@@ -75,21 +76,23 @@ class SamplingFields(_Body):
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputs | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """ValueError (a 400) for values SamplingParams refuses or fields that do not combine."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+        """The body's fields over `defaults` (what a field left out takes); ValueError (a 400) for
+        values SamplingParams refuses or fields that do not combine."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
         given = {name: getattr(self, name) for name in (
             "n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "top_k", "min_p",
             "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
             "skip_special_tokens", "allowed_token_ids", "bad_words") if getattr(self, name) is not None}
+        if max_tokens is not None:
+            given["max_tokens"] = max_tokens
         if self.logit_bias is not None:
             try:
                 given["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
             except ValueError:
                 raise ValueError(f"logit_bias keys must be token ids, got {sorted(self.logit_bias)[:5]}") from None
-        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs,
-                              structured_outputs=self._structured())
+        return SamplingParams(**{**defaults, **given}, logprobs=logprobs, structured_outputs=self._structured())
 
     def _structured(self) -> StructuredOutputsParams | None:
         formats = []
@@ -110,7 +113,6 @@ class SamplingFields(_Body):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -125,7 +127,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"prompt holds {len(self.prompt)} prompts, more than the {MAX_PROMPTS} one request may give")
         return list(self.prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
+        """`defaults`: the model's, for the fields the body leaves out (max_tokens: else OpenAI's 16)."""
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported: leave it out or equal to n")
         if self.suffix is not None:
@@ -134,7 +137,7 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo with logprobs is not supported")
         if self.echo and not all(isinstance(p, str) for p in self.prompts()):
             raise ValueError("echo needs text prompts")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        return self.sampling_params(self.max_tokens, self.logprobs, {"max_tokens": 16, **defaults})
 
 
 class ContentPart(_Body):
@@ -161,14 +164,16 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
+        """`defaults`: the model's, for the fields the body leaves out (max_tokens: else up to the
+        model length)."""
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, {"max_tokens": None, **defaults})
 
 
 class LoadLoRAAdapterRequest(_Body):
