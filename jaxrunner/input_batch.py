@@ -408,3 +408,15 @@ def block_table_rows(table: RequestTable, req_ids: list[str], cfg: RunnerConfig,
         for g, block_ids in enumerate(row.block_ids):
             data[g, i, : len(block_ids)] = block_ids
     return slots, data
+
+
+def prefill_rows(table: RequestTable, req_ids: list[str], cfg: RunnerConfig, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slots and whole token rows [bucket, max_model_len] (each request's prefill tokens, zeros after)
+    of the given requests, padded to `bucket` (padding slot is dropped)."""
+    slots = np.full(bucket, cfg.max_num_seqs, np.int32)
+    rows = np.zeros((bucket, cfg.max_model_len), np.int32)
+    for i, rid in enumerate(req_ids):
+        row = table.rows[rid]
+        slots[i] = row.slot
+        rows[i, : len(row.prefill_token_ids)] = row.prefill_token_ids
+    return slots, rows

@@ -50,6 +50,7 @@ from jaxrunner.step import (
     sample_step,
     spec_sample_step,
     write_block_rows,
+    write_token_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -178,6 +179,12 @@ def _write_blocks_examples(ctx: Context) -> Iterator[Example]:
         yield (ctx.state, np.full(b, cfg.max_num_seqs, np.int32), rows), {}
 
 
+def _write_tokens_examples(ctx: Context) -> Iterator[Example]:
+    cfg = ctx.config
+    for b in reversed(cfg.request_buckets):
+        yield (ctx.state, np.full(b, cfg.max_num_seqs, np.int32), np.zeros((b, cfg.max_model_len), np.int32)), {}
+
+
 def _forward_examples(ctx: Context) -> Iterator[Example]:
     for t in reversed(ctx.config.token_buckets):
         for decode in ctx.forward_forms(t):
@@ -243,6 +250,8 @@ def _spec_options(ctx: Context) -> dict:
 
 WRITE_BLOCKS = Kind("write_blocks", write_block_rows, key=lambda args, s: (args[1].shape[0],),
                     examples=_write_blocks_examples, donate_argnums=(0,))
+WRITE_TOKENS = Kind("write_tokens", write_token_rows, key=lambda args, s: (args[1].shape[0],),
+                    examples=_write_tokens_examples, donate_argnums=(0,))
 FORWARD = Kind("forward", forward_step, key=lambda args, s: (args[4].token_ids.shape[0], s["uniform_decode"]),
                examples=_forward_examples, fixed=_forward_options, donate_argnums=(3,))
 SAMPLE = Kind("sample", sample_step, key=lambda args, s: (args[3].commit_rows.shape[0], s["flags"]),
@@ -259,7 +268,7 @@ PROMPT_LOGPROBS = Kind(
                            as_logits=ctx.config.sampler.logprobs_mode.endswith("logits")))
 WRITE_LORA = Kind("write_lora", write_slot, key=lambda args, s: (), examples=_write_lora_examples, donate_argnums=(0,))
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
-KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, PROMPT_LOGPROBS, WRITE_LORA)
+KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, WRITE_TOKENS, PROMPT_LOGPROBS, WRITE_LORA)
 
 
 @dataclass(frozen=True)

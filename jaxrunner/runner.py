@@ -4,7 +4,8 @@ One step, top to bottom:
   1. check the SchedulerOutput and build the next host request table, the step's padded arrays
      and, for prompt logprobs, the rows to score; until all of that stands nothing has changed, so
      a ValueError leaves the runner exactly as it was (random state included);
-  2. on the device (state donated): write changed block-table rows, run the backbone over the packed
+  2. on the device (state donated): write changed block-table rows (and the token rows of new
+     requests whose prefix the prefix cache holds), run the backbone over the packed
      tokens with paged attention (`execute_model`), then logits and sampling for the batch's rows,
      and prompt logprobs for requests that ask for them (`sample_tokens`, which takes the
      structured requests' grammar masks: the host fills them while the backbone runs);
@@ -38,6 +39,7 @@ from jaxrunner.input_batch import (
     block_table_rows,
     build_inputs,
     check_grammar_bitmask,
+    prefill_rows,
     write_grammar_rows,
 )
 from jaxrunner.loader import load_model
@@ -56,6 +58,7 @@ from jaxrunner.programs import (
     SPEC_SAMPLE,
     WRITE_BLOCKS,
     WRITE_LORA,
+    WRITE_TOKENS,
     Context,
     bucket,
     shared_programs,
@@ -223,6 +226,8 @@ class Runner:
             tokens, samples, flags, sampled = build_inputs(table, order, scheduled, cfg, model.vocab_size, t_bucket,
                                                            b_bucket, sched.scheduled_spec_decode_tokens, masks, lora_slots)
             blocks = block_table_rows(table, dirty, cfg, bucket(len(dirty), cfg.request_buckets)) if dirty else None
+            hits = [n.req_id for n in sched.scheduled_new_reqs if n.num_computed_tokens]  # prefix-cache hits
+            prefills = prefill_rows(table, hits, cfg, bucket(len(hits), cfg.request_buckets)) if hits else None
             if sched.num_steps == 1:  # the most tokens each request can keep: 1 + its drafts
                 steps = {rid: 1 + table.num_drafts(rid, sched) for rid in sampled}
                 scoring = self._prompts_to_score(table, order, scheduled)
@@ -243,6 +248,8 @@ class Runner:
             self.lora = self.programs.run(WRITE_LORA, self.lora, np.int32(slot), tensors)
         if blocks is not None:
             state = self.programs.run(WRITE_BLOCKS, state, *blocks)
+        if prefills is not None:
+            state = self.programs.run(WRITE_TOKENS, state, *prefills)
         decode = ctx.uniform_decode(scheduled)
         num_top = {rid: table.rows[rid].sampling.num_logprobs for rid in order}
         if sched.num_steps == 1:

@@ -1,6 +1,8 @@
 """The device side of a step: pure functions over the donated RunnerState, and their input pytrees.
 
 - `write_block_rows`: copy changed block-table rows in (only on steps where some request got blocks).
+- `write_token_rows`: copy a new request's prefill tokens into its row (only for requests whose
+  prefix came from the prefix cache: the backbone writes the tokens it computes, not the cached ones).
 - `forward_step` (one graph per token bucket, and one more per bucket that holds only decodes, for
   the decode-specialised attention): gather input ids, write KV, run the model (and the draft
   model, over the same tokens and pages, when there is one), keep the hidden states of each
@@ -108,6 +110,13 @@ def write_block_rows(state: RunnerState, slots: jax.Array, rows: jax.Array) -> R
     """`rows` [groups, len(slots), max_blocks]: each slot's row of every KV-cache group's table."""
     table = state.block_table.at[:, slots].set(rows, mode="drop")
     return dataclasses.replace(state, block_table=table)
+
+
+def write_token_rows(state: RunnerState, slots: jax.Array, rows: jax.Array) -> RunnerState:
+    """`rows` [len(slots), max_model_len]: each slot's whole token row. Penalties, bad words and
+    n-gram drafts read a row's history from position 0, so a request starting past a cached prefix
+    must not see the slot's previous occupant there."""
+    return dataclasses.replace(state, token_ids=state.token_ids.at[slots].set(rows, mode="drop"))
 
 
 def resolve_positions(state: RunnerState, inp: TokenInputs) -> TokenInputs:

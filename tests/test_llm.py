@@ -27,6 +27,12 @@ def llm():
     return LLM(**ENGINE)
 
 
+@pytest.fixture(scope="module")
+def uncached():
+    """The same engine with prefix caching off: every prompt computed, in whatever slot."""
+    return LLM(enable_prefix_caching=False, **ENGINE)
+
+
 def texts(outputs) -> list[str]:
     return [o.outputs[0].text for o in outputs]
 
@@ -59,7 +65,7 @@ def test_prompt_forms_and_per_prompt_params(llm):
         llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
 
 
-def test_shared_prefix_hits_the_cache_and_matches_no_caching(llm):
+def test_shared_prefix_hits_the_cache_and_matches_no_caching(llm, uncached):
     prompts = [SYSTEM + q for q in QUESTIONS]
     stats = llm.llm_engine.block_manager.stats
     queries, hits = stats.queries, stats.hits
@@ -69,8 +75,21 @@ def test_shared_prefix_hits_the_cache_and_matches_no_caching(llm):
     hit_rate = (stats.hits - hits) / (stats.queries - queries)
     assert hit_rate == pytest.approx(3 * shared / sum(len(o.prompt_token_ids) for o in cached))
     assert hit_rate > 0.4
-    plain = LLM(enable_prefix_caching=False, **ENGINE).generate(prompts, GREEDY, use_tqdm=False)
+    plain = uncached.generate(prompts, GREEDY, use_tqdm=False)
     assert texts(cached) == texts(plain)
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_penalties_over_a_cached_prefix_read_its_tokens_not_the_slots_last_occupant(llm, uncached):
+    """Penalties and bad words read a request's token history from its slot's row: a prompt whose
+    prefix comes from the cache must find that prefix there, whatever ran in the slot before."""
+    llm.generate([c * 80 for c in "#$%&"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=2.0, presence_penalty=0.5,
+                            frequency_penalty=0.3, bad_words=["ab", "e t"])
+    cached = llm.generate(prompts, params, use_tqdm=False)
+    assert min(o.num_cached_tokens for o in cached[1:]) > 0
+    plain = uncached.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]
 
 

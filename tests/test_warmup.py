@@ -42,8 +42,8 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
               num_scheduler_steps=4, enforce_eager=False, kernels=kernels)
     programs = llm.llm_engine.runner.programs
     # 2 token buckets x (backbone + prompt logprobs) + the decode forms (the 16-token bucket holds a
-    # decode batch); 3 request buckets x (block write + 12 sampler variants + 2 decode loops)
-    assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + 3 * (1 + 12 + 2)
+    # decode batch); 3 request buckets x (block and token-row writes + 12 sampler variants + 2 decode loops)
+    assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + 3 * (2 + 12 + 2)
     prompts = ["Hello there, how are", "A longer prompt that needs a second chunk of tokens", "x", "Once upon a time"]
     outs = llm.generate(prompts, [dataclasses.replace(p, max_tokens=14) for p in MIXED], use_tqdm=False)
     plain = llm.generate(prompts[:2], SamplingParams(temperature=0.9, seed=5, max_tokens=14, logprobs=1), use_tqdm=False)
@@ -58,9 +58,9 @@ def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_blocks=64)
     runner = Runner(cfg, params, config)
     report = runner.warmup()
-    # 3 token buckets x (backbone + prompt logprobs), 3 request buckets x (block write + 12 sampler variants),
-    # and with the Pallas kernels the decode form of the one token bucket a decode batch lands in
-    assert report["programs"] == 3 * 2 + 3 * 13 + runner.kernels.pallas and report["kv_cache_tokens"] == 512
+    # 3 token buckets x (backbone + prompt logprobs), 3 request buckets x (block and token-row writes + 12
+    # sampler variants), and with the Pallas kernels the decode form of the one token bucket a decode batch lands in
+    assert report["programs"] == 3 * 2 + 3 * 14 + runner.kernels.pallas and report["kv_cache_tokens"] == 512
     prompts = [list(range(3, 3 + n)) for n in (5, 30, 61, 12)]
     drive(runner, prompts, 12, params=MIXED, chunk=13, stagger=2, preempt={6: [1], 9: [2, 3]})
     drive(runner, prompts[:2], 6)
