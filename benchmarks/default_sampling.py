@@ -79,9 +79,8 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="write every answer there")
     args = parser.parse_args()
     results = {}
-    # Prefix caching off: a prompt served from the cache leaves the penalties' token history unwritten
-    # (the runner writes a request's token row only from its first computed token), so with it the
-    # repetition penalty's answers depended on which candidates ran before.
+    # Prefix caching off, as in the run docs/default_sampling.md records (it ran before the runner
+    # wrote a cached prefix's token row, when a cache hit skewed the repetition penalty).
     with LLM(max_model_len=1024, max_num_seqs=20, max_num_batched_tokens=512, enable_prefix_caching=False) as llm:
         for name in args.candidates:
             answers = results[name] = run(llm, CANDIDATES[name])
