@@ -1,5 +1,9 @@
-"""Every test process (and the subprocesses tests start) converts GGUF checkpoints into one
-throw-away cache, not the user's ~/.cache/jaxrunner.
+"""One throw-away cache for the whole run, not the user's ~/.cache/jaxrunner: pytest-xdist's
+controller makes it, and its workers and the subprocesses tests start inherit it through the
+environment. So a GGUF checkpoint one worker converted serves the other (a conversion appears by
+renaming its directory), and so does a program one worker compiled, from the cache's `xla` folder:
+JAX's persistent cache (a reader that finds a file still being written compiles again) and the
+program cache (files appear by atomic rename).
 
 JAX's caches keep every executable compiled in the process, each with memory maps of its own, and
 the whole suite would pass Linux's limit of 65530 maps per process, where XLA:CPU crashes (SIGSEGV
@@ -20,9 +24,11 @@ import os
 import shutil
 import tempfile
 
-if shutil.which("nvidia-smi") is None:  # four CPU devices: the tensor-parallel tests split over them
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0",
-                                                     "--xla_force_host_platform_device_count=4"]))
+GPU = shutil.which("nvidia-smi") is not None
+if not GPU:  # four CPU devices: the tensor-parallel tests split over them
+    flags = os.environ.get("XLA_FLAGS", "").split()  # the workers inherit the controller's
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in ("--xla_backend_optimization_level=0",
+                                                            "--xla_force_host_platform_device_count=4") if f not in flags])
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest
@@ -30,6 +36,12 @@ import pytest
 if "JAXRUNNER_CACHE" not in os.environ:
     os.environ["JAXRUNNER_CACHE"] = tempfile.mkdtemp(prefix="jaxrunner-test-cache-")
     atexit.register(shutil.rmtree, os.environ["JAXRUNNER_CACHE"], True)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts) on a GPU machine: no workers, each would claim most of the
+    GPU's memory. Elsewhere xdist's own count, a worker per core."""
+    return 0 if GPU else None
 
 
 MAPS = "/proc/self/maps"
