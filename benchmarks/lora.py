@@ -11,7 +11,7 @@ projections (q|k|v, o, gate|up, down) of a `--tokens`-row bf16 activation, base 
                block-diagonal expand
   ragged       tokens sorted by slot, shrink and expand as grouped matmuls (`jax.lax.ragged_dot`)
   pallas       the block-diagonal layout through the Pallas shrink and expand kernels
-               (`pallas_kernels.lora`), which skip the slots a block of tokens does not use
+               (`benchmarks/lora_kernels.py`), which skip the slots a block of tokens does not use
 Prints the median wall time per call (a step is one call: launches count) and the extra over base.
 
     PYTHONPATH=$PWD python3 -P benchmarks/lora.py [--tokens 256] [--loras 4] [--rank 16] [--run-length 1]
@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrunner.models.lora import projection_parts
+from jaxrunner.lora.slots import projection_parts
 from jaxrunner.models.shapes import SHAPES, shape
-from pallas_kernels.lora import lora_delta
+from lora_kernels import lora_delta
 
 FORMS = ("base", "masked", "blockdiag", "fused", "ragged", "pallas")
 

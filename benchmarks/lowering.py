@@ -20,7 +20,7 @@ import jax
 from jaxrunner import Runner, RunnerConfig
 from jaxrunner.models.llama import init_params
 from jaxrunner.models.shapes import SHAPES, shape
-from pallas_kernels.testing import H200
+from jaxrunner.platform import H200
 
 
 def main() -> None:

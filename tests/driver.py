@@ -13,11 +13,11 @@ import jax
 import numpy as np
 
 from jaxrunner import CachedRequestData, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
-from jaxrunner.attention import AttentionMetadata, paged_attend
+from jaxrunner.models.attention import AttentionMetadata, paged_attend
 from jaxrunner.config import Kernels
 from jaxrunner.models.llama import compute_logits, forward
-from jaxrunner.state import init_state
-from jaxrunner.step import matmul_precision
+from jaxrunner.runner.state import init_state
+from jaxrunner.runner.step import matmul_precision
 
 
 @dataclass

@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from driver import prompt_logits
+from kernel_batches import make_batch
 
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
-from jaxrunner.loader import load_model
-from jaxrunner.state import kv_cache_bytes
+from jaxrunner.checkpoints.loader import load_model
+from jaxrunner.platform import H200
+from jaxrunner.runner.state import kv_cache_bytes
 from pallas_kernels import (
     FP8,
     ragged_paged_attention,
@@ -24,7 +26,6 @@ from pallas_kernels import (
     reference_ragged_paged_attention,
     write_kv,
 )
-from pallas_kernels.testing import H200, make_batch
 
 DATA = Path(__file__).parent / "data"
 

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from jaxrunner import LLM, SamplingParams
 from jaxrunner.engine import model_files
-from jaxrunner.loader import SavedParams, load_model, open_checkpoint
+from jaxrunner.checkpoints.loader import SavedParams, load_model, open_checkpoint
 
 MODELS = Path(__file__).parent / "data" / "models"
 ARCH = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3moe",

@@ -17,9 +17,9 @@ from driver import drive, prompt_logits
 
 from jaxrunner import LLM, ModelConfig, Runner, RunnerConfig, SamplingParams
 from jaxrunner.engine.model_files import default_gguf, local_model
-from jaxrunner.loader import load_model
+from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.models.llama import init_params
-from jaxrunner.state import kv_cache_bytes
+from jaxrunner.runner.state import kv_cache_bytes
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")

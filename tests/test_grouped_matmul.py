@@ -11,9 +11,9 @@ import pytest
 
 from jaxrunner.config import Kernels
 from jaxrunner.models.shapes import shape
-from jaxrunner.step import moe_matmul
+from jaxrunner.platform import H200
+from jaxrunner.runner.step import moe_matmul
 from pallas_kernels.grouped_matmul import block_rows, grouped_matmul
-from pallas_kernels.testing import H200
 
 
 @pytest.mark.parametrize("rows, k, n, groups, past", [(37, 32, 48, 6, 3), (16, 64, 64, 8, 15), (700, 16, 32, 4, 20)])

@@ -10,7 +10,7 @@ import pytest
 from driver import drive, prompt_logits
 
 from jaxrunner import Runner, RunnerConfig, SamplingParams
-from jaxrunner.loader import load_model
+from jaxrunner.checkpoints.loader import load_model
 
 DATA = Path(__file__).parent / "data"
 MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-qwen3-moe",

@@ -29,7 +29,7 @@ def test_an_import_against_the_layers_is_caught(tmp_path):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     assert lint(tmp_path).returncode == 0
-    step = tmp_path / "jaxrunner" / "step.py"
-    step.write_text("from jaxrunner.input_batch import RequestTable  # a layer above\n" + step.read_text())
+    step = tmp_path / "jaxrunner" / "runner" / "step.py"
+    step.write_text("from jaxrunner.runner.input_batch import RequestTable  # a layer above\n" + step.read_text())
     done = lint(tmp_path)
-    assert done.returncode == 1 and "jaxrunner.step -> jaxrunner.input_batch" in done.stdout
+    assert done.returncode == 1 and "jaxrunner.runner.step -> jaxrunner.runner.input_batch" in done.stdout

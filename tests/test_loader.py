@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxrunner.config import ModelConfig
-from jaxrunner.loader import load_model
+from jaxrunner.checkpoints.loader import load_model
 
 MODELS = Path(__file__).parent / "data" / "models"
 

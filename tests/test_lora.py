@@ -18,8 +18,8 @@ from safetensors.numpy import load_file, save_file
 
 from jaxrunner import LLM, LoRARequest, Runner, RunnerConfig, SamplingParams
 from jaxrunner.config import LoraConfig
-from jaxrunner.loader import load_model
-from jaxrunner.lora import Adapters
+from jaxrunner.checkpoints.loader import load_model
+from jaxrunner.lora.adapters import Adapters
 from jaxrunner.models.llama import lora_delta, slot_mask
 from jaxrunner.step_io import NewRequestData, SchedulerOutput
 

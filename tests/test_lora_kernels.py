@@ -4,11 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lora_kernels import lora_delta, lora_delta_reference, supported
 
-
-from pallas_kernels.lora import lora_delta, lora_delta_reference, supported
-from pallas_kernels.testing import H200
-
+from jaxrunner.platform import H200
 
 
 def adapters(rng, in_width: int, parts: tuple[int, ...], num_slots: int, rank: int):

@@ -11,7 +11,7 @@ import pytest
 
 from jaxrunner import Runner, RunnerConfig
 from jaxrunner.config import LoraConfig, ModelConfig
-from jaxrunner.loader import load_model
+from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.models.moe import moe_mlp, route
 
 MODELS = Path(__file__).parent / "data" / "models"

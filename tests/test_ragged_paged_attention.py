@@ -1,6 +1,6 @@
 """Ragged paged attention and the KV write, on CPU: Pallas interpret mode against the references.
 
-Interpret mode starts every output as NaN, and `pallas_kernels.testing.make_batch` poisons the cache
+Interpret mode starts every output as NaN, and `tests/kernel_batches.py.make_batch` poisons the cache
 and the padding queries with NaN, so an unwritten output or a stray read fails the comparison.
 Each configuration compiles once (compilation dominates: XLA optimisations are switched off for
 this module) and then runs several fresh random batches.
@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from kernel_batches import make_batch, naive_attention
 
+from jaxrunner.platform import H200
 from pallas_kernels import (
     KernelConfig,
     ragged_paged_attention,
@@ -26,7 +28,6 @@ from pallas_kernels import (
     write_kv,
 )
 from pallas_kernels.ragged_paged_attention import decode_config
-from pallas_kernels.testing import H200, make_batch, naive_attention
 
 NUM_SMS = 132  # an H200's
 ENTRIES = {"ragged": ragged_paged_attention, "decode": functools.partial(ragged_paged_attention_decode, num_sms=NUM_SMS)}

@@ -1,7 +1,7 @@
 """Ragged paged attention and the KV write compiled for the GPU (no interpret mode).
 
 Run on the H200: `PYTHONPATH=$PWD python -m pytest -m gpu tests/test_ragged_paged_attention_gpu.py`.
-The batches come from `pallas_kernels.testing.make_batch` (NaN-poisoned cache and padding queries,
+The batches come from `tests/kernel_batches.py.make_batch` (NaN-poisoned cache and padding queries,
 garbage block-table entries past each context, which point outside the cache: a masked load that
 is not masked would fault or bring NaN in).
 """
@@ -23,7 +23,7 @@ from pallas_kernels import (
     reference_ragged_paged_attention,
     write_kv,
 )
-from pallas_kernels.testing import make_batch
+from kernel_batches import make_batch
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ import pytest
 from driver import drive
 
 from jaxrunner import Runner, RunnerConfig, SamplingParams
-from jaxrunner.loader import load_model
+from jaxrunner.checkpoints.loader import load_model
 
 DATA = Path(__file__).parent / "data"
 CONFIG = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128, block_size=8, num_blocks=96)

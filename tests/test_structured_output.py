@@ -26,7 +26,7 @@ from jaxrunner import LLM, CachedRequestData, NewRequestData, Runner, RunnerConf
 from jaxrunner.config import Kernels, SamplerConfig
 from jaxrunner.engine.default_model import default_model, default_tokenizer
 from jaxrunner.engine.structured_output import Grammar, GrammarCompiler, fill_bitmask, new_grammar
-from jaxrunner.pending_output import PendingOutput
+from jaxrunner.runner.pending_output import PendingOutput
 from jaxrunner.sampling import build_sampling_metadata, mask_words, prepare_request, process_logits
 
 

@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
 from jaxrunner.config import SamplerConfig
-from jaxrunner.loader import load_model
-from jaxrunner.programs import SAMPLE
+from jaxrunner.checkpoints.loader import load_model
+from jaxrunner.runner.programs import SAMPLE
 
 DATA = Path(__file__).parent / "data"
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128, block_size=8, num_blocks=96)

@@ -17,11 +17,11 @@ from driver import drive
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
 from jaxrunner import programs as programs_table
 from jaxrunner.engine.default_model import TINY_MODEL
-from jaxrunner.loader import load_model
+from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.models.llama import init_params
 from jaxrunner.models.shapes import shape
-from jaxrunner.program_cache import ProgramCache
-from jaxrunner.programs import Programs
+from jaxrunner.runner.program_cache import ProgramCache
+from jaxrunner.runner.programs import Programs
 
 MODEL = Path(__file__).parent / "data" / "models" / "tiny-qwen2"
 KINDS = {kind.name for kind in programs_table.KINDS}
@@ -108,7 +108,7 @@ def test_program_cache_keys_are_the_same_in_another_process(tmp_path):
     # A key must not depend on object ids or hash seeds, or a new process never finds its programs.
     script = (
         "import json, sys; sys.path[:0] = %r; from test_warmup import _runner_and_programs; "
-        "from jaxrunner.program_cache import ProgramCache; cache = ProgramCache('unused'); runner, programs = _runner_and_programs(); "
+        "from jaxrunner.runner.program_cache import ProgramCache; cache = ProgramCache('unused'); runner, programs = _runner_and_programs(); "
         "print(json.dumps([cache.key(p.kind.jitted, p.key, p.args, p.statics) for p in programs]))"
     ) % [str(Path(__file__).parent), str(Path(__file__).parents[1])]
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "7"})

@@ -21,9 +21,9 @@ from jaxrunner.bench import hf_peer
 from jaxrunner.bench.latency import hf_config, spec_lines
 from jaxrunner.config import ModelConfig
 from jaxrunner.engine.llm import LLM
-from jaxrunner.lora import MODULES, WEIGHTS_FILE
+from jaxrunner.lora.adapters import MODULES, WEIGHTS_FILE
 from jaxrunner.lora_request import LoRARequest
-from jaxrunner.models.lora import projection_parts
+from jaxrunner.lora.slots import projection_parts
 from jaxrunner.models.shapes import shape
 from jaxrunner.sampling_params import SamplingParams
 

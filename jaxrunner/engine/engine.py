@@ -60,7 +60,7 @@ from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.engine.structured_output import GrammarCompiler, new_grammar
 from jaxrunner.lora_request import LoRARequest
-from jaxrunner.pending_output import PendingOutput
+from jaxrunner.runner.pending_output import PendingOutput
 from jaxrunner.runner import Runner
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.step_io import LogprobsArrays, RunnerOutput

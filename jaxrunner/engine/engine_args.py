@@ -24,13 +24,13 @@ from jaxrunner.engine.default_model import default_model, default_model_config
 from jaxrunner.engine.generation_config import check_generation_config
 from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
-from jaxrunner.loader import Checkpoint, open_checkpoint
+from jaxrunner.checkpoints.loader import Checkpoint, open_checkpoint
 from jaxrunner.models.llama import Params, init_params
-from jaxrunner.models.lora import lora_bytes
+from jaxrunner.lora.slots import lora_bytes
 from jaxrunner.models.shapes import shape
-from jaxrunner.parallel import sharded_config
+from jaxrunner.runner.parallel import sharded_config
 from jaxrunner.runner import Runner
-from jaxrunner.state import kv_cache_bytes
+from jaxrunner.runner.state import kv_cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class EngineArgs:
     (`config.SpeculativeConfig`). `enable_lora`: serve LoRA adapters (`LoRARequest`), up to `max_loras`
     in one batch, of rank up to `max_lora_rank`; `max_cpu_loras` adapters stay parsed on the host
     (default `max_loras`). `tensor_parallel_size`: devices the model is split over (Megatron style,
-    `jaxrunner.parallel`); `data_parallel_size`: replicas of it, each on devices of its own
+    `jaxrunner.runner.parallel`); `data_parallel_size`: replicas of it, each on devices of its own
     (`engine.data_parallel`; `data_parallel_rank` is the replica an engine is). `kv_cache_dtype`:
     "auto" (the model's dtype) or "fp8" (e4m3 pages, twice the blocks; `config.RunnerConfig`).
     `generation_config`: where requests' sampling defaults come from, "auto" (the model's

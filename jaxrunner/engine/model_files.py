@@ -31,8 +31,8 @@ import tempfile
 
 from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.engine.gguf_tokenizer import gguf_tokenizer
-from jaxrunner.gguf_file import gguf_path
-from jaxrunner.loader import open_checkpoint, save_params
+from jaxrunner.checkpoints.gguf_file import gguf_path
+from jaxrunner.checkpoints.loader import open_checkpoint, save_params
 
 logger = logging.getLogger(__name__)
 

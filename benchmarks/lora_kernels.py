@@ -1,7 +1,7 @@
 """The LoRA delta of one projection for a batch whose tokens each name an adapter slot, as two
 Pallas (Triton) kernels: shrink, then expand (the split of Punica's SGMV).
 
-The adapters are laid out as `jaxrunner.models.lora` holds them: `a` [in, L * P * R] (slot l's
+The adapters are laid out as `jaxrunner.lora.slots` holds them: `a` [in, L * P * R] (slot l's
 part p in columns (l * P + p) * R ...) and `b` [L * P * R, out], block diagonal (part p's R rows
 feed only part p's output columns). XLA's dense form multiplies every token by every slot's
 columns and zeroes the others; these kernels touch, per block of tokens, only the slots that occur

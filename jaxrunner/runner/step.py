@@ -33,12 +33,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxrunner.attention import AttentionMetadata, paged_attend
+from jaxrunner.models.attention import AttentionMetadata, paged_attend
 from jaxrunner.config import Kernels, ModelConfig, SpeculativeConfig
 from jaxrunner.models.llama import MODEL_AXIS, Params, compute_logits, forward, slot_mask
-from jaxrunner.models.lora import Lora
+from jaxrunner.lora.slots import Lora
 from jaxrunner.models.moe import GroupedMatmul
-from jaxrunner.ngram import ngram_drafts
+from jaxrunner.spec_decode.ngram import ngram_drafts
 from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.sampling import (
     NO_LOGPROBS,
@@ -51,7 +51,7 @@ from jaxrunner.sampling import (
     sample,
     verify_drafts,
 )
-from jaxrunner.state import RunnerState
+from jaxrunner.runner.state import RunnerState
 from pallas_kernels.grouped_matmul import grouped_matmul, supported
 
 

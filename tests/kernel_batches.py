@@ -12,11 +12,8 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractDevice, AbstractMesh
 
 KINDS = ("decode", "chunk", "prefill", "single", "spec")
-# An H200 for lowering the kernels to Triton IR on a machine without one (`jax.sharding.use_abstract_mesh`).
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 
 
 @dataclasses.dataclass

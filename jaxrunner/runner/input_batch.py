@@ -24,7 +24,7 @@ from jaxrunner.sampling import (
     prepare_request,
 )
 from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.step import SampleInputs, TokenInputs
+from jaxrunner.runner.step import SampleInputs, TokenInputs
 from jaxrunner.step_io import SchedulerOutput, decode_steps
 
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
-from jaxrunner.input_batch import (
+from jaxrunner.runner.input_batch import (
     RequestTable,
     batch_order,
     block_table_rows,
@@ -42,14 +42,14 @@ from jaxrunner.input_batch import (
     prefill_rows,
     write_grammar_rows,
 )
-from jaxrunner.loader import load_model
-from jaxrunner.lora import Adapters
+from jaxrunner.checkpoints.loader import load_model
+from jaxrunner.lora.adapters import Adapters
 from jaxrunner.lora_request import LoRARequest
 from jaxrunner.models.llama import Params, param_specs
-from jaxrunner.models.lora import init_lora
-from jaxrunner.parallel import check_split, make_mesh, place, shard_layout, sharded_config
-from jaxrunner.pending_output import PendingOutput
-from jaxrunner.programs import (
+from jaxrunner.lora.slots import init_lora
+from jaxrunner.runner.parallel import check_split, make_mesh, place, shard_layout, sharded_config
+from jaxrunner.runner.pending_output import PendingOutput
+from jaxrunner.runner.programs import (
     DECODE_LOOP,
     FORWARD,
     PROMPT_LOGPROBS,
@@ -72,8 +72,8 @@ from jaxrunner.sampling import (
     prompt_logprob_positions,
 )
 from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.state import RunnerState, init_state, kv_cache_bytes
-from jaxrunner.step import SampleInputs, TokenInputs, decode_round
+from jaxrunner.runner.state import RunnerState, init_state, kv_cache_bytes
+from jaxrunner.runner.step import SampleInputs, TokenInputs, decode_round
 from jaxrunner.step_io import LogprobsArrays, RunnerOutput, SchedulerOutput
 
 # Per request wanting prompt logprobs from a step: (request id, its rows among the step's tokens,

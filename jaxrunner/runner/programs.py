@@ -34,14 +34,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
-from jaxrunner.input_batch import RequestTable, build_inputs
+from jaxrunner.runner.input_batch import RequestTable, build_inputs
 from jaxrunner.models.llama import param_specs, param_structs
-from jaxrunner.models.lora import lora_structs, write_slot
-from jaxrunner.parallel import place
-from jaxrunner.program_cache import ProgramCache, compile_noting_cache_hits
+from jaxrunner.lora.slots import lora_structs, write_slot
+from jaxrunner.runner.parallel import place
+from jaxrunner.runner.program_cache import ProgramCache, compile_noting_cache_hits
 from jaxrunner.sampling import SamplerFlags, flag_variants, neutral_metadata
-from jaxrunner.state import init_state, state_specs
-from jaxrunner.step import (
+from jaxrunner.runner.state import init_state, state_specs
+from jaxrunner.runner.step import (
     SampleInputs,
     TokenInputs,
     decode_loop,

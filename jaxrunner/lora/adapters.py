@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxrunner.config import LoraConfig, ModelConfig
-from jaxrunner.loader import SafetensorsFiles
+from jaxrunner.checkpoints.loader import SafetensorsFiles
 from jaxrunner.lora_request import LoRARequest
-from jaxrunner.models.lora import projection_parts
+from jaxrunner.lora.slots import projection_parts
 
 # PEFT's module name -> (our projection, its part).
 MODULES = {

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from safetensors import SafetensorError, safe_open
 
 from jaxrunner.config import ModelConfig
-from jaxrunner.gguf_file import GGUFFile, gguf_path, open_gguf
+from jaxrunner.checkpoints.gguf_file import GGUFFile, gguf_path, open_gguf
 from jaxrunner.models.llama import Params, fused_parts, param_shapes, param_structs
 
 # Our name -> (Hugging Face names, stored transposed?). HF linear weights are [out, in]; ours are

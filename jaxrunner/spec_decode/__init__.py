@@ -1,0 +1,1 @@
+"""Speculative decoding: drafts proposed on the device, verified by the rejection sampler."""
