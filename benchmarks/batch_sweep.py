@@ -17,7 +17,7 @@ import os
 import jax
 
 from benchmarks.profile import decode_batch, floor_ms, pipelined
-from jaxrunner.models.shapes import SHAPES
+from jaxrunner.checkpoints.dummy import SHAPES
 
 
 def main() -> None:

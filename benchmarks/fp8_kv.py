@@ -19,7 +19,7 @@ import numpy as np
 from jaxrunner.engine.model_files import default_gguf
 from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.models.llama import init_params
-from jaxrunner.models.shapes import SHAPES, shape
+from jaxrunner.checkpoints.dummy import SHAPES, shape
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from driver import prompt_logits  # noqa: E402  (the tests' chunked prefill over a paged cache)

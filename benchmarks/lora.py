@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.lora.slots import projection_parts
-from jaxrunner.models.shapes import SHAPES, shape
+from jaxrunner.checkpoints.dummy import SHAPES, shape
 from lora_kernels import lora_delta
 
 FORMS = ("base", "masked", "blockdiag", "fused", "ragged", "pallas")

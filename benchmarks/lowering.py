@@ -19,7 +19,7 @@ import jax
 
 from jaxrunner import Runner, RunnerConfig
 from jaxrunner.models.llama import init_params
-from jaxrunner.models.shapes import SHAPES, shape
+from jaxrunner.checkpoints.dummy import SHAPES, shape
 from jaxrunner.platform import H200
 
 

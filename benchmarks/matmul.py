@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from benchmarks.profile import busy_ns, trace_kernels
 from jaxrunner.bench.floors import COPY_BANDWIDTH
-from jaxrunner.models.shapes import SHAPES, shape
+from jaxrunner.checkpoints.dummy import SHAPES, shape
 
 
 def layouts(name: str) -> dict[str, list[tuple[int, int]]]:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from benchmarks.profile import busy_ns, trace_kernels
 from jaxrunner.bench.floors import COPY_BANDWIDTH
 from jaxrunner.models.moe import moe_mlp, route
-from jaxrunner.models.shapes import shape
+from jaxrunner.checkpoints.dummy import shape
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 LAYERS = 8

@@ -30,8 +30,8 @@ from jaxrunner import CachedRequestData, NewRequestData, Runner, RunnerConfig, S
 from jaxrunner.bench.floors import COPY_BANDWIDTH, weight_bytes_per_step
 from jaxrunner.models import llama
 from jaxrunner.models.llama import init_params
-from jaxrunner.models.shapes import SHAPES, shape
-from jaxrunner.runner.state import kv_cache_bytes
+from jaxrunner.checkpoints.dummy import SHAPES, shape
+from jaxrunner.runner.memory import kv_cache_bytes
 
 
 def decode_batch(name: str, batch: int, context: int, steps: int, num_steps: int) -> tuple[Runner, object, list]:

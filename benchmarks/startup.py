@@ -16,7 +16,7 @@ import os
 import time
 
 from jaxrunner.engine import LLM
-from jaxrunner.models.shapes import SHAPES
+from jaxrunner.checkpoints.dummy import SHAPES
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import json
 import os
 import sys
 
-from jaxrunner.models.shapes import SHAPES
+from jaxrunner.checkpoints.dummy import SHAPES
 
 # (flag, type, help) for the SamplingParams fields the CLI exposes; `type` None means a switch.
 SAMPLING_FLAGS = (

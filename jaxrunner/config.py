@@ -4,6 +4,8 @@
 hashable, so jitted functions take it as a static argument. `RunnerConfig` sizes the runner: request
 slots, token budget, KV cache and the compilation buckets derived from them, the sampler's limits
 (`SamplerConfig`) and which kernels run (`Kernels`, resolved once from `RunnerConfig.kernels`).
+Every rule between its fields is `RunnerConfig.__post_init__`'s and every rule between it and the
+model its `check_model`'s, stated nowhere else: the engine builds a RunnerConfig and lets it raise.
 """
 
 from __future__ import annotations
@@ -396,9 +398,8 @@ class Kernels:
 
     @classmethod
     def choose(cls, choice: str) -> Kernels:
-        """"auto": Pallas on a GPU, the references elsewhere; "pallas" off a GPU runs interpreted."""
-        if choice not in KERNEL_CHOICES:
-            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+        """"auto": Pallas on a GPU, the references elsewhere; "pallas" off a GPU runs interpreted.
+        `choice` is a `RunnerConfig.kernels`, checked there."""
         gpu = platform.on_gpu()
         return cls(pallas=choice == "pallas" or (choice == "auto" and gpu), interpret=not gpu, num_sms=platform.num_sms())
 
@@ -411,7 +412,8 @@ class RunnerConfig:
     tokens per step; a paged KV cache of `num_blocks` blocks of `block_size` tokens.
     `num_scheduler_steps`: the decode steps of a multi-step call (warm-up compiles its loop).
     `speculative`: speculative decoding (not with multi-step decode). `lora`: multi-LoRA slots.
-    `tensor_parallel_size`: devices the model is split over (`parallel`).
+    `tensor_parallel_size`: devices the model is split over (`parallel`); `data_parallel_size`
+    replicas of the runner, this one `data_parallel_rank`, on devices [rank * tp, (rank + 1) * tp).
     `kv_cache_dtype`: "auto" keeps the pages in `dtype`; "fp8" (or "fp8_e4m3") stores them as float8
     e4m3, keys and values divided by `kv_scales` (vLLM's k_scale and v_scale) as they are written
     and multiplied back as attention reads them: half of bf16's bytes, so twice the blocks.
@@ -434,7 +436,8 @@ class RunnerConfig:
     speculative: SpeculativeConfig = SpeculativeConfig()
     lora: LoraConfig = LoraConfig()
     tensor_parallel_size: int = 1
-    data_parallel_rank: int = 0  # this runner's replica: it runs on devices [rank * tp, (rank + 1) * tp)
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     kernels: str = "auto"
     compilation_cache_dir: str | None = None
     token_buckets: tuple[int, ...] = field(default=())
@@ -442,7 +445,7 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks",
-                     "num_scheduler_steps", "tensor_parallel_size"):
+                     "num_scheduler_steps", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunnerConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -452,10 +455,12 @@ class RunnerConfig:
         if len(self.kv_scales) != 2 or not all(0 < float(x) < float("inf") for x in self.kv_scales):
             raise ValueError(f"kv_scales must be two positive finite numbers (K's and V's), got {self.kv_scales!r}")
         if self.kernels not in KERNEL_CHOICES:
-            raise ValueError(f"RunnerConfig.kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
-        if not isinstance(self.data_parallel_rank, int) or self.data_parallel_rank < 0:
-            raise ValueError(f"RunnerConfig.data_parallel_rank must be an integer >= 0, got {self.data_parallel_rank!r}")
-        split = self.tensor_parallel_size > 1 or self.data_parallel_rank > 0
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        rank = self.data_parallel_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be an integer in [0, data_parallel_size={self.data_parallel_size}), "
+                             f"got {rank!r}")
+        split = self.tensor_parallel_size > 1 or self.data_parallel_size > 1
         if split and (self.lora.enabled or self.speculative.enabled and self.speculative.method == "draft_model"):
             raise ValueError("tensor and data parallelism do not combine with LoRA or a draft model yet; "
                              "use tensor_parallel_size=1 and data_parallel_size=1 for them")
@@ -467,6 +472,29 @@ class RunnerConfig:
             object.__setattr__(self, "token_buckets", _powers_of_two(lo, self.max_num_batched_tokens))
         if not self.request_buckets:
             object.__setattr__(self, "request_buckets", _powers_of_two(1, self.max_num_seqs))
+
+    def check_model(self, model: ModelConfig, draft: ModelConfig | None = None) -> None:
+        """Raise a ValueError naming what keeps this config from running `model` (as its checkpoint
+        describes it, before any split) with `draft`, the draft model of speculative method
+        "draft_model". The one home of the rules between the config and the models: the runner asks
+        it, and the engine before it loads the draft's weights."""
+        spec = self.speculative
+        if (spec.enabled and spec.method == "draft_model") != (draft is not None):
+            raise ValueError("a draft model goes with speculative decoding of method 'draft_model', and that needs one: "
+                             "pass draft=(config, params)")
+        if draft is not None and draft.vocab_size != model.vocab_size:
+            raise ValueError(f"speculative_config: the draft model {spec.model!r} has {draft.vocab_size} tokens, the "
+                             f"target {model.vocab_size}; the draft model must share the target's vocabulary (its tokenizer)")
+        if draft is not None and not _draft_fits(model, draft):
+            raise ValueError(f"a draft model reads the target's block table, so both need one KV-cache group and the "
+                             f"draft a window no wider than the target's; the target has {len(model.kv_cache_groups)} "
+                             f"groups (window {model.sliding_window}), the draft {len(draft.kv_cache_groups)} "
+                             f"(window {draft.sliding_window}); use ngram speculation for this model")
+        if self.lora.enabled and model.num_experts:
+            raise ValueError(f"LoRA adapters on Mixture-of-Experts models ({model.architecture}) are not "
+                             "supported yet; run without enable_lora")
+        if self.tensor_parallel_size > 1:
+            _check_split(model, self.tensor_parallel_size)
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
@@ -480,3 +508,27 @@ class RunnerConfig:
     @property
     def max_blocks_per_req(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+def _draft_fits(target: ModelConfig, draft: ModelConfig) -> bool:
+    """Whether the draft's layers can read the blocks the target's one group keeps."""
+    if len(target.kv_cache_groups) != 1 or len(draft.kv_cache_groups) != 1:
+        return False
+    (window,), (draft_window,) = target.group_windows, draft.group_windows
+    return window is None or draft_window is not None and draft_window <= window
+
+
+def _check_split(model: ModelConfig, tp: int) -> None:
+    """One ValueError naming every size of the model that `tp` shards cannot split (each shard holds
+    whole heads: `runner.parallel`)."""
+    if model.num_experts:
+        raise ValueError(f"tensor parallelism does not split Mixture-of-Experts models yet ({model.architecture}); "
+                         "run with tensor_parallel_size=1 (data parallelism works)")
+    problems = [f"{name}={size}" for name, size in (("num_attention_heads", model.num_heads),
+                                                     ("intermediate_size", model.intermediate_size)) if size % tp]
+    kv = model.num_kv_heads
+    if kv % tp if kv >= tp else tp % kv:
+        problems.append(f"num_key_value_heads={kv} (neither a multiple nor a divisor of {tp})")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {', '.join(problems)}; "
+                         "choose a tensor_parallel_size that divides them")

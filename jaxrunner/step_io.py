@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 
@@ -71,6 +72,12 @@ class SchedulerOutput:
     num_steps: int = 1
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None
+
+
+def reject(problem: str) -> NoReturn:
+    """A SchedulerOutput the runner cannot run: every check names its problem this way, before
+    anything of the runner changes."""
+    raise ValueError(f"SchedulerOutput rejected: {problem}")
 
 
 def decode_steps(num_steps: int, num_tokens: int, num_outputs: int, params: SamplingParams, max_model_len: int) -> int:

@@ -11,7 +11,7 @@ from transformers import AutoConfig
 from jaxrunner.bench.latency import hf_config
 from jaxrunner.cli import main
 from jaxrunner.config import ModelConfig
-from jaxrunner.models.shapes import SHAPES
+from jaxrunner.checkpoints.dummy import SHAPES
 
 
 @pytest.fixture(autouse=True)

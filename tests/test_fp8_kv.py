@@ -18,7 +18,7 @@ from kernel_batches import make_batch
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
 from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.platform import H200
-from jaxrunner.runner.state import kv_cache_bytes
+from jaxrunner.runner.memory import kv_cache_bytes
 from pallas_kernels import (
     FP8,
     ragged_paged_attention,

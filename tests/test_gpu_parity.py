@@ -19,7 +19,7 @@ from jaxrunner import LLM, ModelConfig, Runner, RunnerConfig, SamplingParams
 from jaxrunner.engine.model_files import default_gguf, local_model
 from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.models.llama import init_params
-from jaxrunner.runner.state import kv_cache_bytes
+from jaxrunner.runner.memory import kv_cache_bytes
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrunner.config import Kernels
-from jaxrunner.models.shapes import shape
+from jaxrunner.checkpoints.dummy import shape
 from jaxrunner.platform import H200
 from jaxrunner.runner.step import moe_matmul
 from pallas_kernels.grouped_matmul import block_rows, grouped_matmul

@@ -17,7 +17,8 @@ from jaxrunner import LLM, NewRequestData, RunnerConfig, SamplingParams, Schedul
 from jaxrunner.config import ModelConfig
 from jaxrunner.engine.block_manager import NULL_BLOCK, BlockManager, blocks_to_hold
 from jaxrunner.engine.request import Request
-from jaxrunner.runner.state import init_state, kv_cache_bytes
+from jaxrunner.runner.memory import kv_cache_bytes
+from jaxrunner.runner.state import init_state
 
 DATA = Path(__file__).parent / "data"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import jaxrunner.runner
+import jaxrunner.runner.plan
 from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
 from jaxrunner.cli import main
 from jaxrunner.config import SamplerConfig
@@ -228,7 +228,7 @@ def test_a_schedule_that_fails_while_its_arrays_are_built_changes_nothing(monkey
     runner = Runner(cfg, params, config)
     state = runner.init_state()
     with monkeypatch.context() as m:
-        m.setattr(jaxrunner.runner, "build_inputs", lambda *a: (_ for _ in ()).throw(ValueError("broken")))
+        m.setattr(jaxrunner.runner.plan, "build_inputs", lambda *a: (_ for _ in ()).throw(ValueError("broken")))
         with pytest.raises(ValueError, match="broken"):
             first_token(runner, state, "a")
     with pytest.raises(ValueError, match="num_scheduled_tokens must be integers"):

@@ -10,7 +10,7 @@ import pytest
 
 from jaxrunner import CachedRequestData, ModelConfig, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
 from jaxrunner.models.llama import init_params
-from jaxrunner.runner.state import kv_cache_bytes
+from jaxrunner.runner.memory import kv_cache_bytes
 
 MODEL = ModelConfig(
     "LlamaForCausalLM", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8

@@ -21,8 +21,9 @@ from test_async_multistep import ENGINE, PARAMS, PROMPTS, assert_same
 from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
 from jaxrunner.config import Kernels, SamplerConfig, SpeculativeConfig
 from jaxrunner.engine.default_model import default_model
+from jaxrunner.sampling import build_sampling_metadata, prepare_request, process_logits
 from jaxrunner.spec_decode.ngram import ngram_drafts
-from jaxrunner.sampling import build_sampling_metadata, prepare_request, process_logits, verify_drafts
+from jaxrunner.spec_decode.rejection import verify_drafts
 from jaxrunner.step_io import CachedRequestData
 
 MODELS = Path(__file__).parent / "data" / "models"

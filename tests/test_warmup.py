@@ -15,11 +15,11 @@ import pytest
 from driver import drive
 
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
-from jaxrunner import programs as programs_table
+from jaxrunner.runner import programs as programs_table
 from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.models.llama import init_params
-from jaxrunner.models.shapes import shape
+from jaxrunner.checkpoints.dummy import shape
 from jaxrunner.runner.program_cache import ProgramCache
 from jaxrunner.runner.programs import Programs
 
@@ -72,8 +72,9 @@ def test_a_step_lowers_its_layer_once_for_all_layers():
     model = dataclasses.replace(shape("tiny"), num_layers=4)
     config = RunnerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_blocks=64)
     runner = Runner(model, init_params(model, jax.random.key(0)), config)
-    program = runner.programs.program(programs_table.FORWARD, runner.params, runner.draft_params, runner.lora,
-                                      runner.init_state(), runner.ctx.tokens(16), uniform_decode=False)
+    program = runner.programs.program(programs_table.FORWARD, params=runner.params, draft_params=runner.draft_params,
+                                      lora=runner.lora, state=runner.init_state(), tokens=runner.ctx.tokens(16),
+                                      uniform_decode=False)
     text = program.kind.jitted.lower(*program.args, **program.statics).as_text()
     assert len(re.findall(r"func\.func private @decoder_layer\b", text)) == 1
     assert len(re.findall(r"call @decoder_layer\b", text)) == 4

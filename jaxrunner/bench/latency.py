@@ -24,7 +24,7 @@ from jaxrunner.engine.engine import LLMEngine
 from jaxrunner.engine.llm import LLM
 from jaxrunner.engine.request import Request
 from jaxrunner.engine.scheduler import SpecDecodingStats
-from jaxrunner.models.shapes import shape
+from jaxrunner.checkpoints.dummy import shape
 from jaxrunner.sampling_params import SamplingParams
 
 ORACLE_ROUNDS = 3  # untimed generations that find the oracle's answer

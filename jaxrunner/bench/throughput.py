@@ -24,7 +24,7 @@ from jaxrunner.engine.llm import LLM
 from jaxrunner.lora.adapters import MODULES, WEIGHTS_FILE
 from jaxrunner.lora_request import LoRARequest
 from jaxrunner.lora.slots import projection_parts
-from jaxrunner.models.shapes import shape
+from jaxrunner.checkpoints.dummy import shape
 from jaxrunner.sampling_params import SamplingParams
 
 WARMUP_REQUESTS = 4

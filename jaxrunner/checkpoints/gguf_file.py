@@ -1,5 +1,6 @@
 """GGUF checkpoints, llama.cpp's one-file format: the model's config, its tensors under Hugging Face
-names, and the tokenizer's metadata, read with the `gguf` package.
+names (each tensor's llama.cpp name is declared beside its Hugging Face one in `models.tensors`), and
+the tokenizer's metadata, read with the `gguf` package.
 
 Quantized tensors are dequantized to float32 on the host (`gguf.quants.dequantize`), so the runner
 sees an ordinary float checkpoint. llama.cpp's converter stores the Llama family's q and k
@@ -14,11 +15,14 @@ slice of the stack.
 
 from __future__ import annotations
 
+import functools
 import os
-import re
 from dataclasses import dataclass
 
 import numpy as np
+
+from jaxrunner.config import ModelConfig
+from jaxrunner.models.tensors import LM_HEAD, each_tensor
 
 # GGUF's general.architecture -> Hugging Face architecture (and model_type for its config class).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -29,38 +33,6 @@ _PERMUTED_QK = ("llama",)
 _NORMS_PLUS_ONE = ("gemma3",)
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # not in the file: llama.cpp and transformers both take Gemma 3's own
 
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Gemma's four norms: ffn_norm comes before the MLP and post_attention_norm after attention.
-_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-# The router and the stacked experts, per architecture ("{e}": the expert's index).
-_MOE_LAYER_NAMES = {
-    "Qwen3MoeForCausalLM": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-                            "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj"},
-    MIXTRAL: {"ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
-              "ffn_up_exps": "block_sparse_moe.experts.{e}.w3", "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that change the model's maths in a way jaxrunner does not implement.
 _UNSUPPORTED_TENSORS = {"rope_freqs.weight": "rotary frequency factors (Llama 3.1 rope scaling)"}
 
@@ -86,7 +58,7 @@ class GGUFFile:
     path: str
     architecture: str  # GGUF's name: llama, qwen2, qwen3, qwen3moe, gemma3
     metadata: dict  # key -> value, arrays as lists
-    tensors: dict  # Hugging Face name -> (gguf.ReaderTensor, the expert's index in its stack or None)
+    stored: dict  # llama.cpp's name -> gguf.ReaderTensor
 
     def hf_config(self):
         """The model's config as the `transformers` config class of its family."""
@@ -130,11 +102,32 @@ class GGUFFile:
             max_position_embeddings=int(key("context_length")),
             rms_norm_eps=_as_written(key("attention.layer_norm_rms_epsilon")),
             rope_parameters=rope,
-            tie_word_embeddings="lm_head.weight" not in self.tensors,
+            tie_word_embeddings=LM_HEAD.sources[0].gguf not in self.stored,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             **extra,
         )
+
+    @functools.cached_property
+    def config(self) -> ModelConfig:
+        """The model's config as jaxrunner reads it (`ModelConfig`)."""
+        return ModelConfig.from_hf_config(self.hf_config())
+
+    @functools.cached_property
+    def tensors(self) -> dict:
+        """The model's tensors that the file holds: Hugging Face name -> (gguf.ReaderTensor, the
+        expert's index in its stack or None)."""
+        tensors = {}
+        for i, t in each_tensor(self.config):
+            for source in t.weight.sources:
+                tensor = self.stored.get(source.gguf.format(i=i))
+                if tensor is None:  # the loader names the missing ones
+                    continue
+                if "{e}" in source.hf:  # one entry per expert of the stack, its first axis in Hugging Face's order
+                    tensors.update({source.hf.format(i=i, e=e): (tensor, e) for e in range(int(tensor.shape[-1]))})
+                else:
+                    tensors[source.hf.format(i=i)] = (tensor, None)
+        return tensors
 
     @property
     def hf_architecture(self) -> str:
@@ -175,19 +168,12 @@ def open_gguf(path: str) -> GGUFFile:
         raise ValueError(
             f"GGUF file {path!r} holds a {arch!r} model; jaxrunner reads GGUF files of {', '.join(ARCHITECTURES)}"
         )
-    hf_arch = _hf_architecture(arch, metadata)
-    tensors = {}
     for tensor in reader.tensors:
         if tensor.name in _UNSUPPORTED_TENSORS:
             raise ValueError(f"GGUF file {path!r} uses {_UNSUPPORTED_TENSORS[tensor.name]}, which jaxrunner does not support")
-        if (name := _hf_name(tensor.name, hf_arch)) is None:
-            continue
-        if "{e}" in name:  # one entry per expert of the stack, its first axis in Hugging Face's order
-            tensors.update({name.format(e=e): (tensor, e) for e in range(int(tensor.shape[-1]))})
-        else:
-            tensors[name] = (tensor, None)
-    _check_types(path, [tensor for tensor, _ in tensors.values()])
-    return GGUFFile(path, arch, metadata, tensors)
+    file = GGUFFile(path, arch, metadata, {tensor.name: tensor for tensor in reader.tensors})
+    _check_types(path, [tensor for tensor, _ in file.tensors.values()])
+    return file
 
 
 def _as_written(value: float) -> float:
@@ -198,16 +184,6 @@ def _as_written(value: float) -> float:
 
 def _hf_architecture(arch: str, metadata: dict) -> str:
     return MIXTRAL if arch == "llama" and metadata.get("llama.expert_count") else ARCHITECTURES[arch]
-
-
-def _hf_name(name: str, hf_arch: str) -> str | None:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    names = _GEMMA_LAYER_NAMES if hf_arch == "Gemma3ForCausalLM" else _LAYER_NAMES | _MOE_LAYER_NAMES.get(hf_arch, {})
-    match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match[2] not in names:
-        return None
-    return f"model.layers.{match[1]}.{names[match[2]]}.{match[3]}"
 
 
 def _check_types(path: str, tensors) -> None:

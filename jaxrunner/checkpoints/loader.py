@@ -4,7 +4,8 @@
 
 `open_checkpoint` reads the config and every tensor's name and shape (cheap, and where a corrupt or
 truncated file shows); `Checkpoint.load` then reads the tensors. The engine opens the checkpoint
-before anything slow, so a broken one fails at once with one line naming the file.
+before anything slow, so a broken one fails at once with one line naming the file. Which checkpoint
+tensors make each param, and how, is declared once in `models.tensors`.
 """
 
 from __future__ import annotations
@@ -20,45 +21,8 @@ from safetensors import SafetensorError, safe_open
 
 from jaxrunner.config import ModelConfig
 from jaxrunner.checkpoints.gguf_file import GGUFFile, gguf_path, open_gguf
-from jaxrunner.models.llama import Params, fused_parts, param_shapes, param_structs
-
-# Our name -> (Hugging Face names, stored transposed?). HF linear weights are [out, in]; ours are
-# [in, out]. A tensor with several HF names is their concatenation along its last axis (llama.fused_parts).
-_LAYER_NAMES = {
-    "attn_norm": (("input_layernorm.weight",), False),
-    "wqkv": (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), True),
-    "wo": (("self_attn.o_proj.weight",), True),
-    "bqkv": (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), False),
-    "q_norm": (("self_attn.q_norm.weight",), False),
-    "k_norm": (("self_attn.k_norm.weight",), False),
-    "mlp_norm": (("post_attention_layernorm.weight",), False),
-    "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
-    "w_down": (("mlp.down_proj.weight",), True),
-}
-# Mixture-of-Experts layers: "{e}" stands for each expert's index, the experts stacked on a first axis.
-_MOE_LAYER_NAMES = {
-    "Qwen3MoeForCausalLM": {
-        "router": (("mlp.gate.weight",), True),
-        "experts_gate_up": (("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), True),
-        "experts_down": (("mlp.experts.{e}.down_proj.weight",), True),
-    },
-    "MixtralForCausalLM": {
-        "router": (("block_sparse_moe.gate.weight",), True),
-        "experts_gate_up": (("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"), True),
-        "experts_down": (("block_sparse_moe.experts.{e}.w2.weight",), True),
-    },
-}
-# Gemma's post_attention_layernorm follows attention; its MLP's own norm comes before it, and one after.
-_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
-    "mlp_norm": (("pre_feedforward_layernorm.weight",), False),
-    "post_attn_norm": (("post_attention_layernorm.weight",), False),
-    "post_mlp_norm": (("post_feedforward_layernorm.weight",), False),
-}
-_TOP_NAMES = {
-    "embed": (("model.embed_tokens.weight",), False),
-    "final_norm": (("model.norm.weight",), False),
-    "lm_head": (("lm_head.weight",), True),
-}
+from jaxrunner.models.llama import Params, param_structs
+from jaxrunner.models.tensors import Tensor, each_tensor, layer_tensors, top_tensors
 
 
 @dataclass(frozen=True)
@@ -83,22 +47,24 @@ class Checkpoint:
     parts: dict[object, list[Part]]
 
     def load(self, dtype: str = "float32") -> Params:
-        """Every param, cast to `dtype`."""
-        loaded = {}
-        for key, parts in self.parts.items():
-            groups: dict[int | None, list[jax.Array]] = {}
-            for part in parts:
-                try:
-                    raw = self.tensors.read(part.name)
-                except (SafetensorError, ValueError) as e:
-                    raise ValueError(f"cannot read tensor {part.name} of checkpoint {self.path!r}: {e}") from None
-                groups.setdefault(part.expert, []).append(jnp.asarray(raw.T if part.transposed else raw, dtype=dtype))
-            joined = [g[0] if len(g) == 1 else jnp.concatenate(g, axis=-1) for g in groups.values()]
-            loaded[key] = joined[0] if None in groups else jnp.stack(joined)
-        shapes = param_shapes(self.config)
-        params = {name: loaded[name] for name in shapes if name != "layers"}
-        params["layers"] = tuple({name: loaded[(i, name)] for name in layer} for i, layer in enumerate(shapes["layers"]))
+        """Every param, stored in `dtype` as its tensor's storage holds it."""
+        top, layer = top_tensors(self.config), layer_tensors(self.config)
+        params = {name: self._read(name, t, dtype) for name, t in top.items()}
+        params["layers"] = tuple({name: self._read((i, name), t, dtype) for name, t in layer.items()}
+                                 for i in range(self.config.num_layers))
         return params
+
+    def _read(self, key: str | tuple[int, str], tensor: Tensor, dtype: str) -> jax.Array:
+        """One param: its parts read, stored and joined."""
+        groups: dict[int | None, list[jax.Array]] = {}
+        for part in self.parts[key]:
+            try:
+                raw = self.tensors.read(part.name)
+            except (SafetensorError, ValueError) as e:
+                raise ValueError(f"cannot read tensor {part.name} of checkpoint {self.path!r}: {e}") from None
+            groups.setdefault(part.expert, []).append(tensor.weight.storage.store(raw.T if part.transposed else raw, dtype))
+        joined = [g[0] if len(g) == 1 else jnp.concatenate(g, axis=-1) for g in groups.values()]
+        return joined[0] if None in groups else jnp.stack(joined)
 
 
 PARAMS_DIR = "params"  # the orbax checkpoint inside a directory written by save_params
@@ -141,26 +107,20 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint | SavedParams:
         return SavedParams(path, ModelConfig.from_hf(path))
     if (gguf := gguf_path(path)) is not None:
         tensors = open_gguf(gguf)
-        config = ModelConfig.from_hf_config(tensors.hf_config())
+        config = tensors.config
     else:
         config = ModelConfig.from_hf(path)
         tensors = SafetensorsFiles(_safetensors_files(path))
 
-    shapes, fused = param_shapes(config), fused_parts(config)
-    layer_names = (_GEMMA_LAYER_NAMES if config.gemma else _LAYER_NAMES) | _MOE_LAYER_NAMES.get(config.architecture, {})
+    def parts(tensor: Tensor, layer: int | None) -> list[Part]:
+        weight, shape = tensor.weight, tensor.shape
+        sources = list(zip(weight.sources, tensor.widths, strict=True))
+        if "{e}" not in weight.sources[0].hf:
+            return [Part(s.hf.format(i=layer), weight.transposed, shape[:-1] + (w,)) for s, w in sources]
+        return [Part(s.hf.format(i=layer, e=e), weight.transposed, shape[1:-1] + (w,), e)
+                for e in range(shape[0]) for s, w in sources]
 
-    def parts(table: dict, name: str, shape: tuple, prefix: str = "") -> list[Part]:
-        hf_names, transposed = table[name]
-        widths = fused.get(name, (shape[-1],))
-        if "{e}" not in hf_names[0]:
-            return [Part(prefix + hf, transposed, shape[:-1] + (w,)) for hf, w in zip(hf_names, widths, strict=True)]
-        return [Part(prefix + hf.format(e=e), transposed, shape[1:-1] + (w,), e)
-                for e in range(shape[0]) for hf, w in zip(hf_names, widths, strict=True)]
-
-    wanted = {name: parts(_TOP_NAMES, name, shape) for name, shape in shapes.items() if name != "layers"}
-    for i, layer in enumerate(shapes["layers"]):
-        for name, shape in layer.items():
-            wanted[(i, name)] = parts(layer_names, name, shape, f"model.layers.{i}.")
+    wanted = {t.name if i is None else (i, t.name): parts(t, i) for i, t in each_tensor(config)}
     missing = [p.name for ps in wanted.values() for p in ps if p.name not in tensors.tensors]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors the config needs: {', '.join(missing[:8])}")

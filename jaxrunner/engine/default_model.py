@@ -11,11 +11,10 @@ from __future__ import annotations
 import functools
 import string
 
-import jax
 from tokenizers import Tokenizer, decoders, models, processors
 
+from jaxrunner.checkpoints.dummy import Params, random_params
 from jaxrunner.config import ModelConfig
-from jaxrunner.models.llama import Params, init_params
 
 TINY_MODEL = "jaxrunner-tiny-random"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
@@ -63,4 +62,4 @@ def default_model(dtype: str = "float32") -> tuple[ModelConfig, Params]:
     Cached: drawing the weights compiles a few random-number programs, which is slow on a CPU, and
     the runner never modifies its params."""
     cfg = default_model_config()
-    return cfg, init_params(cfg, jax.random.key(SEED), dtype, std=0.5)
+    return cfg, random_params(cfg, dtype, SEED, std=0.5)

@@ -13,24 +13,21 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
 from jaxrunner import platform
 from jaxrunner.checks import check_bool, check_int, is_real
-from jaxrunner.config import KERNEL_CHOICES, LoraConfig, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig
+from jaxrunner.config import LoraConfig, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig
 from jaxrunner.engine.block_manager import blocks_to_hold, null_blocks
 from jaxrunner.engine.default_model import default_model, default_model_config
 from jaxrunner.engine.generation_config import check_generation_config
 from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
+from jaxrunner.checkpoints.dummy import Params, dummy_model
 from jaxrunner.checkpoints.loader import Checkpoint, open_checkpoint
-from jaxrunner.models.llama import Params, init_params
-from jaxrunner.lora.slots import lora_bytes
-from jaxrunner.models.shapes import shape
-from jaxrunner.runner.parallel import sharded_config
-from jaxrunner.runner import Runner
-from jaxrunner.runner.state import kv_cache_bytes
+from jaxrunner.runner import Runner, bytes_per_block, lora_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +49,7 @@ class EngineArgs:
     by default start-up compiles them on a GPU and skips it on a CPU; either way compiled programs
     are kept in JAX's persistent cache under `model_files.cache_dir()`. `load_format` "dummy": random
     weights in the model's shape, where `model` is a checkpoint directory (only its config.json is
-    read) or a benchmark shape name (`jaxrunner.models.shapes.SHAPES`). `num_scheduler_steps`: decode
+    read) or a benchmark shape name (`jaxrunner.checkpoints.dummy.SHAPES`). `num_scheduler_steps`: decode
     steps per device call when a batch is all decodes (multi-step decode). `async_scheduling`:
     dispatch each step before the previous step's output reaches the host. `max_bad_word_len`: the
     most tokens a bad word may have (the sampler's bad-word arrays are this wide). `kernels`: "auto" (Pallas on a GPU, the jnp
@@ -108,13 +105,6 @@ class EngineArgs:
             check_int(where, name, getattr(self, name), 1)
         check_int(where, "seed", self.seed)
         check_int(where, "data_parallel_rank", self.data_parallel_rank, 0)
-        if self.data_parallel_rank >= self.data_parallel_size:
-            raise ValueError(f"data_parallel_rank={self.data_parallel_rank} must be below data_parallel_size="
-                             f"{self.data_parallel_size}")
-        split = self.tensor_parallel_size > 1 or self.data_parallel_size > 1
-        if split and (self.enable_lora or self.speculative_config and self.speculative_config.get("method") == "draft_model"):
-            raise ValueError("tensor and data parallelism do not combine with LoRA or a draft model yet; "
-                             "use tensor_parallel_size=1 and data_parallel_size=1 for them")
         check_int(where, "max_logprobs", self.max_logprobs)
         for name in ("skip_tokenizer_init", "enable_prefix_caching", "async_scheduling", "enable_lora"):
             check_bool(where, name, getattr(self, name))
@@ -128,14 +118,21 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (is_real(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.kernels not in KERNEL_CHOICES:
-            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         check_generation_config(self.generation_config)
-        self.sampler_config()  # its own checks (logprobs settings), before anything loads
         check_int(where, "max_loras", self.max_loras, 1)
-        self.lora_config()
-        if self.speculative().enabled and self.num_scheduler_steps > 1:
-            raise ValueError("speculative_config and num_scheduler_steps > 1 do not combine; use one of them")
+        self.create_runner_config()  # RunnerConfig's rules (and its parts'), before anything loads
+
+    def create_runner_config(self, **sizes: Any) -> RunnerConfig:
+        """The runner's config from these arguments, with `sizes` (what the model and the device decide:
+        num_blocks, max_model_len, dtype, ...) over RunnerConfig's defaults. The rules between fields
+        are RunnerConfig's alone; `__post_init__` makes one with the defaults, so they fail at once."""
+        return RunnerConfig(
+            block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype, seed=self.seed,
+            num_scheduler_steps=self.num_scheduler_steps, sampler=self.sampler_config(),
+            speculative=self.speculative(), lora=self.lora_config(), tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size, data_parallel_rank=self.data_parallel_rank,
+            kernels=self.kernels, **sizes,
+        )
 
     def speculative(self) -> SpeculativeConfig:
         return SpeculativeConfig() if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
@@ -183,22 +180,12 @@ def runner_config(
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
             f"{model.max_position_embeddings}; lower max_model_len"
         )
-    sizes = RunnerConfig(
+    sizes = args.create_runner_config(
         max_num_seqs=args.max_num_seqs or (256 if gpu else 8),
         max_num_batched_tokens=args.max_num_batched_tokens or (8192 if gpu else 256),
         max_model_len=max_model_len,
-        block_size=args.block_size,
         num_blocks=1,
         dtype=dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        seed=args.seed,
-        num_scheduler_steps=args.num_scheduler_steps,
-        sampler=args.sampler_config(),
-        speculative=args.speculative(),
-        lora=args.lora_config(),
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_rank=args.data_parallel_rank,
-        kernels=args.kernels,
         compilation_cache_dir=os.path.join(cache_dir(), "xla"),
     )
     cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes, draft))
@@ -237,15 +224,14 @@ def _num_blocks(
     (already loaded) and the largest step's activations (measured from its compiled executables)
     are set aside. On CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but
     always room for one sequence at full length)."""
-    tp = cfg.tensor_parallel_size  # each device holds 1 / tp of every block
+    tp = cfg.tensor_parallel_size
     stats = jax.devices()[cfg.data_parallel_rank * tp].memory_stats() if platform.on_gpu() else None  # its first
-    cache_model = sharded_config(model, tp) if tp > 1 else model
-    per_block = kv_cache_bytes(cache_model, dataclasses.replace(cfg, num_blocks=1), draft[0] if draft else None) // tp
+    per_block = bytes_per_block(model, cfg, draft[0] if draft else None)  # on each device
     if not stats:
         one = request_blocks(model, cfg, cfg.max_model_len)
         return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block))
     activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1), draft).peak_step_bytes()
-    in_use = stats["bytes_in_use"] + lora_bytes(model, cfg.lora, cfg.dtype)  # the adapter slots come after sizing
+    in_use = stats["bytes_in_use"] + lora_bytes(model, cfg)  # the adapter slots come after sizing
     blocks = kv_blocks_that_fit(stats["bytes_limit"], in_use, activations, args.gpu_memory_utilization, per_block)
     logger.info("KV cache sizing: %.2f GiB device, %.2f GiB in use (weights), %.2f GiB for the largest step's "
                 "activations: %d blocks", stats["bytes_limit"] / 2**30, stats["bytes_in_use"] / 2**30, activations / 2**30, blocks)
@@ -275,10 +261,7 @@ def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) ->
     """The model's config and weights: the built-in tiny model, the checkpoint, or random weights."""
     if checkpoint is not None:
         return checkpoint.config, checkpoint.load(dtype)
-    if args.model is None:
-        return default_model(dtype)
-    cfg = ModelConfig.from_hf(args.model) if os.path.isdir(args.model) else shape(args.model)
-    return cfg, init_params(cfg, jax.random.key(args.seed), dtype)
+    return default_model(dtype) if args.model is None else dummy_model(args.model, dtype, args.seed)
 
 
 def load_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple[ModelConfig, Params] | None:
@@ -290,9 +273,7 @@ def load_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple
     path = local_model(spec.model, need_tokenizer=False)
     checkpoint = None if path is None else open_checkpoint(path)
     config = default_model_config() if checkpoint is None else checkpoint.config
-    if config.vocab_size != target.vocab_size:
-        raise ValueError(f"speculative_config: the draft model {spec.model!r} has {config.vocab_size} tokens, "
-                         f"the target {target.vocab_size}; the draft model must share the target's vocabulary")
+    args.create_runner_config().check_model(target, config)  # before the draft's weights load
     return default_model(dtype) if checkpoint is None else (config, checkpoint.load(dtype))
 
 

@@ -28,12 +28,11 @@ from jaxrunner.config import LoraConfig, ModelConfig
 from jaxrunner.checkpoints.loader import SafetensorsFiles
 from jaxrunner.lora_request import LoRARequest
 from jaxrunner.lora.slots import projection_parts
+from jaxrunner.models.tensors import LORA_TARGETS
 
-# PEFT's module name -> (our projection, its part).
-MODULES = {
-    "q_proj": ("wqkv", 0), "k_proj": ("wqkv", 1), "v_proj": ("wqkv", 2), "o_proj": ("wo", 0),
-    "gate_proj": ("w_gate_up", 0), "up_proj": ("w_gate_up", 1), "down_proj": ("w_down", 0),
-}
+# PEFT's module name -> (our projection, its part): PEFT names a part by its Hugging Face module.
+MODULES = {source.hf.split(".")[-2]: (weight.name, part)
+           for weight in LORA_TARGETS for part, source in enumerate(weight.sources)}
 _TENSOR = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 

@@ -19,20 +19,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxrunner.config import LoraConfig, ModelConfig
-from jaxrunner.models.llama import fused_parts
+from jaxrunner.models.tensors import LORA_TARGETS, layer_tensors
 
 Lora = tuple  # per layer: {projection: {"a": [in, L * P * R], "b": [L * P * R, out]}}; () when off
 
 
 def projection_parts(cfg: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Each LoRA-able projection: (its input width, the output widths of its parts)."""
-    fused = fused_parts(cfg)
-    return {
-        "wqkv": (cfg.hidden_size, fused["wqkv"]),
-        "wo": (cfg.num_heads * cfg.head_dim, (cfg.hidden_size,)),
-        "w_gate_up": (cfg.hidden_size, fused["w_gate_up"]),
-        "w_down": (cfg.intermediate_size, (cfg.hidden_size,)),
-    }
+    """Each LoRA-able projection (`tensors.LORA_TARGETS`): (its input width, the output widths of its parts)."""
+    return {name: (t.shape[0], t.widths) for name, t in layer_tensors(cfg).items() if t.weight in LORA_TARGETS}
 
 
 def lora_shapes(cfg: ModelConfig, lora: LoraConfig) -> Lora:
@@ -50,11 +44,6 @@ def _is_shape(x) -> bool:
 
 def lora_structs(cfg: ModelConfig, lora: LoraConfig, dtype: str) -> Lora:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), lora_shapes(cfg, lora), is_leaf=_is_shape)
-
-
-def lora_bytes(cfg: ModelConfig, lora: LoraConfig, dtype: str) -> int:
-    """Device bytes of the slots."""
-    return sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(lora_structs(cfg, lora, dtype)))
 
 
 def init_lora(cfg: ModelConfig, lora: LoraConfig, dtype: str) -> Lora:

@@ -9,8 +9,8 @@ the forward pass unrolls them in Python: XLA then sees one array per layer and n
 layer's weights out of a stacked array (a `lax.scan` over stacked weights does, and decode then
 runs far slower; docs/design.md). The projections that read the same input are stored side by side (q|k|v,
 gate|up): at decode one wide matmul streams its weight faster than two or three narrow ones
-(docs/benchmarks.md, `benchmarks/matmul.py`). Which optional tensors exist (q/k/v bias, q/k norm, an
-untied LM head) is fixed by the ModelConfig.
+(docs/benchmarks.md, `benchmarks/matmul.py`). Which tensors a model has (q/k/v bias, q/k norm, an
+untied LM head), their shapes, splits and checkpoint names are declared once in `models.tensors`.
 """
 
 from __future__ import annotations
@@ -26,80 +26,43 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.moe import GroupedMatmul, moe_mlp
+from jaxrunner.models.tensors import Tensor, layer_tensors, model_tensors, top_tensors
 
 Params = dict
 
 
 def fused_parts(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Widths of the side-by-side parts of each fused tensor (along its last axis): q|k|v, gate|up."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    mlp = "experts_gate_up" if cfg.num_experts else "w_gate_up"
-    parts = {"wqkv": (q, kv, kv), mlp: (cfg.intermediate_size, cfg.intermediate_size)}
-    if cfg.qkv_bias:
-        parts["bqkv"] = parts["wqkv"]
-    return parts
+    return {name: t.fused for name, t in layer_tensors(cfg).items() if t.fused}
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
-    """The shape of every tensor, keyed like the params pytree: what init and the loader both follow."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q = cfg.num_heads * d
-    fused = {name: sum(widths) for name, widths in fused_parts(cfg).items()}
-    layer = {"attn_norm": (h,), "wqkv": (h, fused["wqkv"]), "wo": (q, h), "mlp_norm": (h,)}
-    if cfg.num_experts:
-        e = cfg.num_experts
-        layer |= {"router": (h, e), "experts_gate_up": (e, h, fused["experts_gate_up"]),
-                  "experts_down": (e, cfg.intermediate_size, h)}
-    else:
-        layer |= {"w_gate_up": (h, fused["w_gate_up"]), "w_down": (cfg.intermediate_size, h)}
-    if cfg.qkv_bias:
-        layer["bqkv"] = (fused["bqkv"],)
-    if cfg.qk_norm:
-        layer |= {"q_norm": (d,), "k_norm": (d,)}
-    if cfg.gemma:
-        layer |= {"post_attn_norm": (h,), "post_mlp_norm": (h,)}
-    shapes = {
-        "embed": (cfg.padded_vocab_size, h),
-        "layers": tuple(dict(layer) for _ in range(cfg.num_layers)),
-        "final_norm": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (h, cfg.padded_vocab_size)
-    return shapes
+    """The shape of every tensor, keyed like the params pytree (`tensors.model_tensors`)."""
+    return jax.tree.map(lambda t: t.shape, model_tensors(cfg))
 
 
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits over
 
 
 def param_specs(cfg: ModelConfig) -> dict:
-    """Each tensor's PartitionSpec over MODEL_AXIS, keyed like `param_shapes` (Megatron's split):
-    q|k|v and gate|up column-parallel (each shard's columns side by side: `ModelConfig.shards`), o
-    and down row-parallel (their matmuls end in an all-reduce), the embedding and the LM head split
-    over the vocabulary (`ModelConfig.padded_vocab_size`), norms replicated."""
-    column, row, replicated = P(None, MODEL_AXIS), P(MODEL_AXIS, None), P()
-    layer = {"attn_norm": replicated, "wqkv": column, "wo": row, "mlp_norm": replicated}
-    if cfg.num_experts:  # tensor parallelism refuses MoE models (`parallel.check_split`): data parallel only
-        layer |= {"router": replicated, "experts_gate_up": replicated, "experts_down": replicated}
-    else:
-        layer |= {"w_gate_up": column, "w_down": row}
-    if cfg.qkv_bias:
-        layer["bqkv"] = P(MODEL_AXIS)
-    if cfg.qk_norm:
-        layer |= {"q_norm": replicated, "k_norm": replicated}
-    if cfg.gemma:
-        layer |= {"post_attn_norm": replicated, "post_mlp_norm": replicated}
-    specs = {"embed": P(MODEL_AXIS, None), "layers": tuple(dict(layer) for _ in range(cfg.num_layers)),
-             "final_norm": replicated}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = column
-    return specs
+    """Each tensor's PartitionSpec, keyed like `param_shapes`: its `Weight.split` axis over MODEL_AXIS
+    (q|k|v's and gate|up's columns hold each shard's side by side: `ModelConfig.shards`; the
+    embedding and the LM head split over `ModelConfig.padded_vocab_size`), the rest replicated."""
+
+    def spec(t: Tensor) -> P:
+        if t.weight.split is None:
+            return P()
+        axes = [None] * len(t.shape)
+        axes[t.weight.split] = MODEL_AXIS
+        return P(*axes)
+
+    return jax.tree.map(spec, model_tensors(cfg))
 
 
-def param_structs(cfg: ModelConfig, dtype: str, sharding: jax.sharding.Sharding | None = None):
-    """Every param as a `jax.ShapeDtypeStruct` in `dtype` (on `sharding`): the params without data,
-    for ahead-of-time compiles and for restoring saved params into place."""
-    return jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), param_shapes(cfg),
-                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(n, int) for n in x))
+def param_structs(cfg: ModelConfig, dtype: str, sharding: jax.sharding.Sharding | None = None) -> dict:
+    """Every param as its storage's `jax.ShapeDtypeStruct` in `dtype` (on `sharding`): the params
+    without data, for ahead-of-time compiles and for restoring saved params into place."""
+    return jax.tree.map(lambda t: t.weight.storage.struct(t.shape, dtype, sharding), model_tensors(cfg))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: str = "float32", std: float = 0.02) -> Params:
@@ -108,25 +71,25 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: str = "float32", std: f
     Drawn on the device by two jitted programs, the top level's and a layer's (called once a layer):
     one program for the whole model compiled anew on every start and was most of the start-up of
     large shapes (docs/benchmarks.md)."""
-    shapes = param_shapes(cfg)
-    layers = shapes.pop("layers")
+    top, layer = top_tensors(cfg), layer_tensors(cfg)
     trees, drawn = [], 0
-    for tree in [shapes, *layers]:
-        trees.append(_draw(key, drawn, tuple(tree.items()), dtype, std))
-        drawn += sum(not name.endswith("norm") for name in tree)
+    for tree in [top] + [layer] * cfg.num_layers:
+        trees.append(_draw(key, drawn, tuple(tree.values()), dtype, std))
+        drawn += sum(t.weight.init == "normal" for t in tree.values())
     return trees[0] | {"layers": tuple(trees[1:])}
 
 
-@functools.partial(jax.jit, static_argnames=("shapes", "dtype", "std"))
-def _draw(key: jax.Array, first: int, shapes: tuple, dtype: str, std: float) -> dict:
-    """The n-th tensor that is not a norm weight is normal with key fold_in(key, first + n)."""
+@functools.partial(jax.jit, static_argnames=("tensors", "dtype", "std"))
+def _draw(key: jax.Array, first: int, tensors: tuple[Tensor, ...], dtype: str, std: float) -> dict:
+    """The n-th tensor drawn from a normal distribution has key fold_in(key, first + n)."""
     out, n = {}, 0
-    for name, shape in shapes:
-        if name.endswith("norm"):
-            out[name] = jnp.ones(shape, dtype)
+    for t in tensors:
+        if t.weight.init == "ones":
+            values = jnp.ones(t.shape)
         else:
-            out[name] = (std * jax.random.normal(jax.random.fold_in(key, first + n), shape)).astype(dtype)
+            values = std * jax.random.normal(jax.random.fold_in(key, first + n), t.shape)
             n += 1
+        out[t.name] = t.weight.storage.store(values, dtype)
     return out
 
 

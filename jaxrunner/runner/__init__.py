@@ -1,6 +1,8 @@
 """The model runner: the host step (`runner.py`, `input_batch.py`), its compiled programs
-(`programs.py`) and the device step they run (`step.py` over `state.py`)."""
+(`programs.py`) and the device step they run (`step.py` over `state.py`); the memory it will take
+(`memory.py`), for the engine to size the KV cache before the runner exists."""
 
+from jaxrunner.runner.memory import bytes_per_block, kv_cache_bytes, lora_bytes
 from jaxrunner.runner.runner import Runner
 
-__all__ = ["Runner"]
+__all__ = ["Runner", "bytes_per_block", "kv_cache_bytes", "lora_bytes"]

@@ -1,4 +1,4 @@
-"""Tensor parallelism: the mesh, what a model must divide by, and its params laid out for the split.
+"""Tensor parallelism: the mesh, and the params laid out for the split.
 
 A runner with `tensor_parallel_size` t > 1 (or a data-parallel replica past the first) runs every
 program on a mesh of t devices (axes "data" x `MODEL_AXIS`, 1 x t) under `jax.set_mesh`: the params and the KV cache are placed by the
@@ -6,8 +6,9 @@ PartitionSpecs declared beside their shapes (`llama.param_specs`, `state.state_s
 partitioner inserts the collectives (an all-reduce after o and after down in every layer). The
 attention kernels run per device through `shard_map`, each device on its own heads.
 
-Each shard must hold whole heads: q|k|v's columns are laid out shard by shard, each shard its q
-heads then their k and v heads (`shard_layout`), and gate|up likewise. With fewer KV heads than
+Each shard must hold whole heads (`RunnerConfig.check_model` names the sizes that cannot split):
+q|k|v's columns are laid out shard by shard, each shard its q heads then their k and v heads
+(`shard_layout`), and gate|up likewise. With fewer KV heads than
 shards, each KV head is repeated so every shard holds the one its q heads read (the model then has
 t KV heads, t / num_kv_heads copies of each; the cache is that much larger, as in vLLM).
 
@@ -38,23 +39,6 @@ def make_mesh(tp: int, replica: int = 0) -> Mesh:
                          f"{devices[0].platform.upper()} device(s) exist; lower tensor_parallel_size or "
                          "data_parallel_size")
     return Mesh(np.array(devices[replica * tp : (replica + 1) * tp]).reshape(1, tp), ("data", MODEL_AXIS))
-
-
-def check_split(model: ModelConfig, tp: int) -> None:
-    """One ValueError naming every size of the model that `tp` shards cannot split."""
-    problems = []
-    for name, size in (("num_attention_heads", model.num_heads), ("intermediate_size", model.intermediate_size)):
-        if size % tp:
-            problems.append(f"{name}={size}")
-    kv = model.num_kv_heads
-    if (kv % tp if kv >= tp else tp % kv):
-        problems.append(f"num_key_value_heads={kv} (neither a multiple nor a divisor of {tp})")
-    if model.num_experts:
-        raise ValueError(f"tensor parallelism does not split Mixture-of-Experts models yet ({model.architecture}); "
-                         "run with tensor_parallel_size=1 (data parallelism works)")
-    if problems:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {', '.join(problems)}; "
-                         "choose a tensor_parallel_size that divides them")
 
 
 def sharded_config(model: ModelConfig, tp: int) -> ModelConfig:

@@ -17,9 +17,6 @@ looks for the executable on disk, which needs no lowering.
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
-import functools
 import inspect
 import logging
 import os
@@ -31,164 +28,69 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
-from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
-from jaxrunner.runner.input_batch import RequestTable, build_inputs
-from jaxrunner.models.llama import param_specs, param_structs
-from jaxrunner.lora.slots import lora_structs, write_slot
-from jaxrunner.runner.parallel import place
+from jaxrunner.lora.slots import write_slot
+from jaxrunner.runner.context import Context
+from jaxrunner.runner.input_batch import bucket
 from jaxrunner.runner.program_cache import ProgramCache, compile_noting_cache_hits
-from jaxrunner.sampling import SamplerFlags, flag_variants, neutral_metadata
-from jaxrunner.runner.state import init_state, state_specs
 from jaxrunner.runner.step import (
-    SampleInputs,
-    TokenInputs,
     decode_loop,
     forward_step,
     prompt_logprobs_step,
     sample_step,
-    spec_sample_step,
     write_block_rows,
     write_token_rows,
 )
+from jaxrunner.sampling import PROMPT_LOGPROBS_CHUNK
+from jaxrunner.spec_decode.sample import spec_sample_step
 
 logger = logging.getLogger(__name__)
 
-# Prompt positions scored per device call: bounds the [rows, vocab] logits of long prompts.
-PROMPT_LOGPROBS_CHUNK = 256
-
-
-def bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket that holds n."""
-    return buckets[bisect.bisect_left(buckets, n)]
-
-
-@dataclass(frozen=True)
-class Context:
-    """What a runner's programs depend on, and the choices between them that dispatch and the
-    examples both make through it. Hashable: runners of equal contexts share their programs."""
-
-    model: ModelConfig
-    config: RunnerConfig
-    kernels: Kernels
-    dtype: str
-    draft_model: ModelConfig | None = None  # speculative decoding with a draft model
-    mesh: Mesh | None = None  # tensor parallelism: the devices the params and the cache are split over
-
-    @functools.cached_property
-    def params(self) -> dict:
-        """The params' shapes and dtype (every weight is in the runner's dtype), and shardings."""
-        structs = param_structs(self.model, self.dtype)
-        return structs if self.mesh is None else place(structs, param_specs(self.model), self.mesh)
-
-    @functools.cached_property
-    def draft_params(self) -> dict:
-        return param_structs(self.draft_model, self.dtype) if self.draft_model is not None else {}
-
-    @functools.cached_property
-    def lora(self) -> tuple:
-        """The LoRA slots' shapes (() without LoRA)."""
-        return lora_structs(self.model, self.config.lora, self.dtype)
-
-    @functools.cached_property
-    def adapter(self) -> tuple:
-        """One slot's tensors: what `write_slot` writes."""
-        return lora_structs(self.model, dataclasses.replace(self.config.lora, max_loras=1), self.dtype)
-
-    @functools.cached_property
-    def state(self):
-        state = jax.eval_shape(functools.partial(init_state, self.model, self.config, self.draft_model))
-        return state if self.mesh is None else place(state, state_specs(state), self.mesh)
-
-    @property
-    def spec_tokens(self) -> int:
-        """Drafts per request per step (0: no speculative decoding)."""
-        return self.config.speculative.num_speculative_tokens
-
-    @functools.cached_property
-    def sampler_variants(self) -> tuple[SamplerFlags, ...]:
-        return flag_variants(self.config.sampler, self.model.vocab_size)
-
-    @property
-    def decode_form(self) -> bool:
-        """Whether the backbone has a decode form: only the Pallas kernels have a decode kernel."""
-        return self.kernels.pallas
-
-    def uniform_decode(self, num_scheduled: dict[str, int]) -> bool:
-        """Whether a batch runs the backbone's decode form: there is one, and every sequence has at most
-        1 + k query tokens (one, without speculative decoding)."""
-        return self.decode_form and all(n <= 1 + self.spec_tokens for n in num_scheduled.values())
-
-    def forward_forms(self, t_bucket: int) -> list[bool]:
-        """The backbone forms of a token bucket: general, and decode where a decode batch can land
-        (it has at most max_num_seqs * (1 + k) tokens)."""
-        largest = min(self.config.max_num_seqs * (1 + self.spec_tokens), self.config.max_num_batched_tokens)
-        return [False] + [True] * (self.decode_form and t_bucket <= bucket(largest, self.config.token_buckets))
-
-    def loops(self, flags: SamplerFlags) -> bool:
-        """Whether a multi-step decode with these flags runs as one device call: plain sampling
-        (temperature, seeds, logprobs). Other batches run its rounds through the single-step programs."""
-        return flags in self.sampler_variants[:2]
-
-    def tokens(self, t_bucket: int) -> TokenInputs:
-        """Padding inputs of a token bucket: the shapes of every real batch in that bucket."""
-        empty = RequestTable.empty(self.config.max_num_seqs)
-        return build_inputs(empty, [], {}, self.config, self.model.vocab_size, t_bucket, 1)[0]
-
-    def samples(self, b_bucket: int, flags: SamplerFlags) -> SampleInputs:
-        nowhere = np.full(b_bucket, self.config.max_num_seqs, np.int32)
-        md = neutral_metadata(b_bucket, self.config.sampler, self.model.vocab_size, flags, 1 + self.spec_tokens)
-        return SampleInputs(nowhere, np.zeros(b_bucket, np.int32), md, np.zeros(b_bucket, bool), np.zeros(b_bucket, np.int32))
-
-    def hidden(self, rows: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((rows, self.model.hidden_size), self.dtype)
-
-    def last_hidden(self) -> jax.ShapeDtypeStruct:
-        """The backbone's per-sequence hidden states: each sequence's last 1 + k tokens'."""
-        return jax.ShapeDtypeStruct((self.config.max_num_seqs, 1 + self.spec_tokens, self.model.hidden_size), self.dtype)
-
-
-Example = tuple[tuple, dict]  # (arguments, the call's static options)
+Example = dict  # a call's named arguments, its static options among them
 
 
 @dataclass(frozen=True, eq=False)
 class Kind:
-    """One kind of program. `fixed(ctx)`: the static options all of one runner's calls share; a call
-    passes the others, and `key(args, statics)` of those tells its executables apart. `examples(ctx)`
-    yields every variant the runner can ask for."""
+    """One kind of program, its arguments read by name. `fixed(ctx)`: the static options all of one
+    runner's calls share; a call names the other arguments, and `key` of them tells its executables
+    apart. `examples(ctx)` yields every variant the runner can ask for; `donate` names the arguments
+    whose buffers the program takes over."""
 
     name: str
     fn: Callable
-    key: Callable[[tuple, dict], tuple]
+    key: Callable[[dict], tuple]
     examples: Callable[[Context], Iterator[Example]]
     fixed: Callable[[Context], dict] = lambda ctx: {}
-    donate_argnums: tuple[int, ...] = ()
+    donate: tuple[str, ...] = ()
     jitted: Callable = field(init=False)
+    arguments: tuple[str, ...] = field(init=False)  # the traced ones, in the function's order
 
     def __post_init__(self) -> None:
         params = inspect.signature(self.fn).parameters.values()
         statics = tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
-        object.__setattr__(self, "jitted", jax.jit(self.fn, static_argnames=statics, donate_argnums=self.donate_argnums))
+        object.__setattr__(self, "arguments", tuple(p.name for p in params if p.name not in statics))
+        object.__setattr__(self, "jitted", jax.jit(self.fn, static_argnames=statics, donate_argnames=self.donate))
 
 
 def _write_blocks_examples(ctx: Context) -> Iterator[Example]:
     cfg = ctx.config
     for b in reversed(cfg.request_buckets):
         rows = np.zeros((len(ctx.model.kv_cache_groups), b, cfg.max_blocks_per_req), np.int32)
-        yield (ctx.state, np.full(b, cfg.max_num_seqs, np.int32), rows), {}
+        yield dict(state=ctx.state, slots=np.full(b, cfg.max_num_seqs, np.int32), rows=rows)
 
 
 def _write_tokens_examples(ctx: Context) -> Iterator[Example]:
     cfg = ctx.config
     for b in reversed(cfg.request_buckets):
-        yield (ctx.state, np.full(b, cfg.max_num_seqs, np.int32), np.zeros((b, cfg.max_model_len), np.int32)), {}
+        yield dict(state=ctx.state, slots=np.full(b, cfg.max_num_seqs, np.int32),
+                   rows=np.zeros((b, cfg.max_model_len), np.int32))
 
 
 def _forward_examples(ctx: Context) -> Iterator[Example]:
     for t in reversed(ctx.config.token_buckets):
         for decode in ctx.forward_forms(t):
-            yield (ctx.params, ctx.draft_params, ctx.lora, ctx.state, ctx.tokens(t)), dict(uniform_decode=decode)
+            yield dict(params=ctx.params, draft_params=ctx.draft_params, lora=ctx.lora, state=ctx.state,
+                       tokens=ctx.tokens(t), uniform_decode=decode)
 
 
 def _sample_examples(ctx: Context) -> Iterator[Example]:
@@ -196,7 +98,8 @@ def _sample_examples(ctx: Context) -> Iterator[Example]:
         return
     for b in reversed(ctx.config.request_buckets):
         for flags in ctx.sampler_variants:
-            yield (ctx.params, ctx.state, ctx.last_hidden(), ctx.samples(b, flags)), dict(flags=flags)
+            yield dict(params=ctx.params, state=ctx.state, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags),
+                       flags=flags)
 
 
 def _spec_sample_examples(ctx: Context) -> Iterator[Example]:
@@ -204,7 +107,8 @@ def _spec_sample_examples(ctx: Context) -> Iterator[Example]:
         return
     for b in reversed(ctx.config.request_buckets):
         for flags in ctx.sampler_variants:
-            yield (ctx.params, ctx.draft_params, ctx.state, ctx.last_hidden(), ctx.samples(b, flags)), dict(flags=flags)
+            yield dict(params=ctx.params, draft_params=ctx.draft_params, state=ctx.state, last_hidden=ctx.last_hidden(),
+                       samples=ctx.samples(b, flags), flags=flags)
 
 
 def _decode_loop_examples(ctx: Context) -> Iterator[Example]:
@@ -215,19 +119,20 @@ def _decode_loop_examples(ctx: Context) -> Iterator[Example]:
     buckets = {(bucket(n, cfg.token_buckets), bucket(n, cfg.request_buckets)) for n in range(1, largest + 1)}
     for t, b in sorted(buckets, reverse=True):  # the (token, request) buckets of a batch of n decodes
         for flags in filter(ctx.loops, ctx.sampler_variants):
-            args = (ctx.params, ctx.lora, ctx.state, ctx.tokens(t), ctx.samples(b, flags), np.zeros(b, np.int32))
-            yield args, dict(flags=flags, num_steps=cfg.num_scheduler_steps, uniform_decode=ctx.decode_form)
+            yield dict(params=ctx.params, lora=ctx.lora, state=ctx.state, tokens=ctx.tokens(t),
+                       samples=ctx.samples(b, flags), steps=np.zeros(b, np.int32), flags=flags,
+                       num_steps=cfg.num_scheduler_steps, uniform_decode=ctx.decode_form)
 
 
 def _prompt_logprobs_examples(ctx: Context) -> Iterator[Example]:
     rows = np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32)
     for t in reversed(ctx.config.token_buckets):
-        yield (ctx.params, ctx.hidden(t), rows, rows), {}
+        yield dict(params=ctx.params, hidden=ctx.hidden(t), rows=rows, targets=rows)
 
 
 def _write_lora_examples(ctx: Context) -> Iterator[Example]:
     if ctx.config.lora.enabled:
-        yield (ctx.lora, np.int32(0), ctx.adapter), {}
+        yield dict(lora=ctx.lora, slot=np.int32(0), adapter=ctx.adapter)
 
 
 def _model_and_kernels(ctx: Context) -> dict:
@@ -248,32 +153,36 @@ def _spec_options(ctx: Context) -> dict:
                 kv_scales=ctx.config.kv_scales)
 
 
-WRITE_BLOCKS = Kind("write_blocks", write_block_rows, key=lambda args, s: (args[1].shape[0],),
-                    examples=_write_blocks_examples, donate_argnums=(0,))
-WRITE_TOKENS = Kind("write_tokens", write_token_rows, key=lambda args, s: (args[1].shape[0],),
-                    examples=_write_tokens_examples, donate_argnums=(0,))
-FORWARD = Kind("forward", forward_step, key=lambda args, s: (args[4].token_ids.shape[0], s["uniform_decode"]),
-               examples=_forward_examples, fixed=_forward_options, donate_argnums=(3,))
-SAMPLE = Kind("sample", sample_step, key=lambda args, s: (args[3].commit_rows.shape[0], s["flags"]),
-              examples=_sample_examples, fixed=_model_and_kernels, donate_argnums=(1,))
-SPEC_SAMPLE = Kind("spec_sample", spec_sample_step, key=lambda args, s: (args[4].commit_rows.shape[0], s["flags"]),
-                   examples=_spec_sample_examples, fixed=_spec_options, donate_argnums=(2,))
+def _rows(a: dict) -> tuple:
+    return (a["slots"].shape[0],)
+
+
+WRITE_BLOCKS = Kind("write_blocks", write_block_rows, key=_rows, examples=_write_blocks_examples, donate=("state",))
+WRITE_TOKENS = Kind("write_tokens", write_token_rows, key=_rows, examples=_write_tokens_examples, donate=("state",))
+FORWARD = Kind("forward", forward_step, key=lambda a: (a["tokens"].token_ids.shape[0], a["uniform_decode"]),
+               examples=_forward_examples, fixed=_forward_options, donate=("state",))
+SAMPLE = Kind("sample", sample_step, key=lambda a: (a["samples"].commit_rows.shape[0], a["flags"]),
+              examples=_sample_examples, fixed=_model_and_kernels, donate=("state",))
+SPEC_SAMPLE = Kind("spec_sample", spec_sample_step, key=lambda a: (a["samples"].commit_rows.shape[0], a["flags"]),
+                   examples=_spec_sample_examples, fixed=_spec_options, donate=("state",))
 DECODE_LOOP = Kind(
     "decode_loop", decode_loop,
-    key=lambda args, s: (args[3].token_ids.shape[0], args[4].commit_rows.shape[0], s["flags"], s["num_steps"], s["uniform_decode"]),
-    examples=_decode_loop_examples, fixed=_decode_loop_options, donate_argnums=(2,))
+    key=lambda a: (a["tokens"].token_ids.shape[0], a["samples"].commit_rows.shape[0], a["flags"], a["num_steps"],
+                   a["uniform_decode"]),
+    examples=_decode_loop_examples, fixed=_decode_loop_options, donate=("state",))
 PROMPT_LOGPROBS = Kind(
-    "prompt_logprobs", prompt_logprobs_step, key=lambda args, s: (args[1].shape[0],), examples=_prompt_logprobs_examples,
+    "prompt_logprobs", prompt_logprobs_step, key=lambda a: (a["hidden"].shape[0],), examples=_prompt_logprobs_examples,
     fixed=lambda ctx: dict(model=ctx.model, num_top=ctx.config.sampler.logprobs_width(ctx.model.vocab_size),
                            as_logits=ctx.config.sampler.logprobs_mode.endswith("logits")))
-WRITE_LORA = Kind("write_lora", write_slot, key=lambda args, s: (), examples=_write_lora_examples, donate_argnums=(0,))
+WRITE_LORA = Kind("write_lora", write_slot, key=lambda a: (), examples=_write_lora_examples, donate=("lora",))
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
 KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, WRITE_TOKENS, PROMPT_LOGPROBS, WRITE_LORA)
 
 
 @dataclass(frozen=True)
 class Program:
-    """One call of a kind, with every static option resolved: what `Programs` compiles and runs."""
+    """One call of a kind, with every static option resolved: what `Programs` compiles and runs.
+    `args`: the traced arguments in the function's order."""
 
     kind: Kind
     key: Hashable
@@ -294,11 +203,16 @@ class Programs:
         self.loaded = 0  # by compile_all from the program cache
         self.lowering_seconds = 0.0  # spent by compile_all under the GIL: what no compile thread overlaps
 
-    def program(self, kind: Kind, *args, **statics) -> Program:
-        return Program(kind, (kind.name, *kind.key(args, statics)), args, kind.fixed(self.ctx) | statics)
+    def program(self, kind: Kind, **named) -> Program:
+        """The call of `kind` with these named arguments (traced ones and static options)."""
+        if missing := set(kind.arguments) - named.keys():
+            raise TypeError(f"program {kind.name} needs {sorted(missing)}")
+        statics = {name: value for name, value in named.items() if name not in kind.arguments}
+        return Program(kind, (kind.name, *kind.key(named)), tuple(named[name] for name in kind.arguments),
+                       kind.fixed(self.ctx) | statics)
 
     def examples(self, kind: Kind) -> list[Program]:
-        return [self.program(kind, *args, **statics) for args, statics in kind.examples(self.ctx)]
+        return [self.program(kind, **named) for named in kind.examples(self.ctx)]
 
     def warmup_programs(self) -> list[Program]:
         """Every program a runner of this context can ask for."""
@@ -311,8 +225,8 @@ class Programs:
         self.warm.update(p.key for p in programs)
         return len(programs), compiled
 
-    def run(self, kind: Kind, *args, **statics):
-        program = self.program(kind, *args, **statics)
+    def run(self, kind: Kind, **named):
+        program = self.program(kind, **named)
         self.asked.add(program.key)
         exe = self._compiled.get(program.key)
         if exe is None:
@@ -320,7 +234,7 @@ class Programs:
                 logger.warning("compiling %s while serving: no warm-up example covers it", program.key)
             exe = self._compiled[program.key] = self._lower(program).compile()
             self.compiled_on_use += 1
-        return exe(*args)
+        return exe(*program.args)
 
     def executable(self, program: Program) -> jax.stages.Compiled:
         """The executable, compiled now if needed (not counted: for inspection, e.g. memory_analysis)."""

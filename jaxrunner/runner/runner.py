@@ -1,21 +1,17 @@
 """The model runner: `state, out = runner.step(state, sched)`.
 
 One step, top to bottom:
-  1. check the SchedulerOutput and build the next host request table, the step's padded arrays
-     and, for prompt logprobs, the rows to score; until all of that stands nothing has changed, so
-     a ValueError leaves the runner exactly as it was (random state included);
-  2. on the device (state donated): write changed block-table rows (and the token rows of new
-     requests whose prefix the prefix cache holds), run the backbone over the packed
-     tokens with paged attention (`execute_model`), then logits and sampling for the batch's rows,
-     and prompt logprobs for requests that ask for them (`sample_tokens`, which takes the
-     structured requests' grammar masks: the host fills them while the backbone runs);
-  3. advance the table, and hand back the output still in flight (`dispatch`: both halves) or read
-     (`step`).
-With `num_steps` > 1 (all decodes), step 2 runs that many forward + sample rounds in one call.
-With speculative decoding, step 2 verifies each decode's drafts with the rejection sampler and
-proposes the next ones on the device (`step.spec_sample_step`); the number of tokens each request
-keeps comes back with its tokens.
-Each device call is a program of `programs.py`, found by the key of its arguments. With
+  1. `plan.prepare`: check the SchedulerOutput and make the next host request table and the step's
+     plan (padded arrays, rows to write, LoRA slots to load, prompt-logprob rows); until both stand
+     nothing has changed, so a ValueError leaves the runner exactly as it was (random state included);
+  2. `execute_model`, on the device (state donated): the plan's row writes, then the backbone over the
+     packed tokens with paged attention (a multi-step decode: all its rounds, sampling included);
+  3. `sample_tokens`: the structured requests' grammar masks into the plan's buffer (the host fills
+     them while the backbone runs), then logits and sampling for the batch's rows (with speculative
+     decoding, `spec_decode.sample`: verify the drafts, keep 1 to k + 1 tokens, propose the next),
+     and prompt logprobs for requests that ask for them; the output is handed back in flight
+     (`dispatch`) or read (`step`).
+Each device call is a program of `programs.py`, found by the key of its named arguments. With
 `tensor_parallel_size` > 1 the runner lays its params out for the split and places them and its
 state on a mesh (`parallel`); every program then runs split over it, the step unchanged.
 """
@@ -32,78 +28,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
-from jaxrunner.runner.input_batch import (
-    RequestTable,
-    batch_order,
-    block_table_rows,
-    build_inputs,
-    check_grammar_bitmask,
-    prefill_rows,
-    write_grammar_rows,
-)
 from jaxrunner.checkpoints.loader import load_model
+from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
 from jaxrunner.lora.adapters import Adapters
+from jaxrunner.lora.slots import init_lora
 from jaxrunner.lora_request import LoRARequest
 from jaxrunner.models.llama import Params, param_specs
-from jaxrunner.lora.slots import init_lora
-from jaxrunner.runner.parallel import check_split, make_mesh, place, shard_layout, sharded_config
+from jaxrunner.runner.context import Context
+from jaxrunner.runner.grammar_masks import check_masks, write_masks
+from jaxrunner.runner.input_batch import bucket
+from jaxrunner.runner.memory import kv_cache_bytes
+from jaxrunner.runner.parallel import make_mesh, place, shard_layout, sharded_config
 from jaxrunner.runner.pending_output import PendingOutput
+from jaxrunner.runner.plan import StepPlan, prepare
 from jaxrunner.runner.programs import (
     DECODE_LOOP,
     FORWARD,
     PROMPT_LOGPROBS,
-    PROMPT_LOGPROBS_CHUNK,
     SAMPLE,
     SPEC_SAMPLE,
     WRITE_BLOCKS,
     WRITE_LORA,
     WRITE_TOKENS,
-    Context,
-    bucket,
     shared_programs,
 )
-from jaxrunner.sampling import (
-    PromptLogprobsBuffer,
-    SamplerFlags,
-    SamplerOutput,
-    mask_words,
-    prepare_request,
-    prompt_logprob_positions,
-)
+from jaxrunner.runner.request_table import RequestTable
+from jaxrunner.runner.state import RunnerState, init_state
+from jaxrunner.runner.step import decode_round
+from jaxrunner.sampling import PromptLogprobsBuffer, SamplerOutput, prepare_request
 from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.runner.state import RunnerState, init_state, kv_cache_bytes
-from jaxrunner.runner.step import SampleInputs, TokenInputs, decode_round
-from jaxrunner.step_io import LogprobsArrays, RunnerOutput, SchedulerOutput
-
-# Per request wanting prompt logprobs from a step: (request id, its rows among the step's tokens,
-# the prompt tokens those rows score).
-Scoring = list[tuple[str, list[int], list[int]]]
+from jaxrunner.step_io import RunnerOutput, SchedulerOutput
 
 
 @dataclass(frozen=True)
 class _Forwarded:
-    """A step whose forward pass is queued, waiting for `sample_tokens`; `table` is the request
-    table before the step (prompt logprobs read its progress)."""
+    """A step whose forward pass is queued, waiting for `sample_tokens`: its plan, and the
+    backbone's hidden states (each sequence's last 1 + k tokens', and every token's)."""
 
-    sched: SchedulerOutput
-    table: RequestTable
-    order: list[str]
-    steps: dict[str, int]
-    num_top: dict[str, int]
-    scoring: Scoring
+    plan: StepPlan
     last_hidden: jax.Array
     hidden: jax.Array
-    samples: SampleInputs
-    flags: SamplerFlags
-
-
-def _draft_fits(target: ModelConfig, draft: ModelConfig) -> bool:
-    """Whether the draft's layers can read the blocks the target's one group keeps."""
-    if len(target.kv_cache_groups) != 1 or len(draft.kv_cache_groups) != 1:
-        return False
-    (window,), (draft_window,) = target.group_windows, draft.group_windows
-    return window is None or draft_window is not None and draft_window <= window
 
 
 class Runner:
@@ -113,25 +77,10 @@ class Runner:
         self, model_config: ModelConfig, params: Params, config: RunnerConfig = RunnerConfig(),
         draft: tuple[ModelConfig, Params] | None = None,
     ) -> None:
-        spec = config.speculative
-        if (spec.enabled and spec.method == "draft_model") != (draft is not None):
-            raise ValueError("a draft model goes with speculative decoding of method 'draft_model', and that needs one: "
-                             "pass draft=(config, params)")
-        if draft is not None and draft[0].vocab_size != model_config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft[0].vocab_size} tokens) differs from the target's "
-                             f"({model_config.vocab_size}); speculative decoding needs the same tokenizer")
-        if draft is not None and not _draft_fits(model_config, draft[0]):
-            raise ValueError(f"a draft model reads the target's block table, so both need one KV-cache group and the "
-                             f"draft a window no wider than the target's; the target has {len(model_config.kv_cache_groups)} "
-                             f"groups (window {model_config.sliding_window}), the draft {len(draft[0].kv_cache_groups)} "
-                             f"(window {draft[0].sliding_window}); use ngram speculation for this model")
-        if config.lora.enabled and model_config.num_experts:
-            raise ValueError(f"LoRA adapters on Mixture-of-Experts models ({model_config.architecture}) are not "
-                             "supported yet; run without enable_lora")
         tp, replica = config.tensor_parallel_size, config.data_parallel_rank
         self.mesh = make_mesh(tp, replica) if tp > 1 or replica > 0 else None
+        config.check_model(model_config, None if draft is None else draft[0])
         if tp > 1:  # the params laid out for the split
-            check_split(model_config, tp)
             params = shard_layout(params, model_config, tp)
             model_config = sharded_config(model_config, tp)
         if self.mesh is not None:
@@ -194,7 +143,7 @@ class Runner:
         before this one's output reaches the host (its copy starts at once). Prompt logprobs are the
         exception: a step that completes them waits for them.
         """
-        check_grammar_bitmask(sched, sched.grammar_bitmask, self.model_config.vocab_size)
+        check_masks(sched, sched.grammar_bitmask, self.model_config.vocab_size)
         return self.sample_tokens(self.execute_model(state, sched), sched.grammar_bitmask)
 
     def execute_model(self, state: RunnerState, sched: SchedulerOutput) -> RunnerState:
@@ -203,64 +152,23 @@ class Runner:
         the model (vLLM's execute_model / sample_tokens). A ValueError leaves the runner as it was."""
         if self._forwarded is not None:
             raise RuntimeError("the last step's forward pass is waiting for its sampling: call sample_tokens first")
-        cfg, model, ctx = self.config, self.model_config, self.ctx
         rng = copy.deepcopy(self._rng)  # seeds are drawn from a copy, kept only if the step stands
-        for new in sched.scheduled_new_reqs:
-            if new.lora_request is not None:
-                self.adapters.add(new.lora_request)
-        table, dirty = self._table.apply(sched, cfg, model, rng)
-        order = batch_order(sched)
-        lora_ids = {table.rows[rid].lora_id for rid in order} - {0}
-        if len(lora_ids) > cfg.lora.max_loras:
-            raise ValueError(f"SchedulerOutput rejected: the step uses {len(lora_ids)} LoRA adapters, more than "
-                             f"max_loras={cfg.lora.max_loras}")
-        scheduled = sched.num_scheduled_tokens
-        if order:
-            b_bucket = bucket(len(order), cfg.request_buckets)
-            t_bucket = bucket(sched.total_num_scheduled_tokens, cfg.token_buckets)
-            masks_per_row = 1 + ctx.spec_tokens
-            masks = (np.broadcast_to(np.int32(-1), (len(order), masks_per_row * mask_words(model.vocab_size)))
-                     if sched.structured_output_request_ids else None)  # all allowed until sample_tokens writes them
-            slot_values, writes = self.adapters.activate(lora_ids) if lora_ids else ({}, [])
-            lora_slots = {rid: slot_values[table.rows[rid].lora_id] for rid in order if table.rows[rid].lora_id}
-            tokens, samples, flags, sampled = build_inputs(table, order, scheduled, cfg, model.vocab_size, t_bucket,
-                                                           b_bucket, sched.scheduled_spec_decode_tokens, masks, lora_slots)
-            blocks = block_table_rows(table, dirty, cfg, bucket(len(dirty), cfg.request_buckets)) if dirty else None
-            hits = [n.req_id for n in sched.scheduled_new_reqs if n.num_computed_tokens]  # prefix-cache hits
-            prefills = prefill_rows(table, hits, cfg, bucket(len(hits), cfg.request_buckets)) if hits else None
-            if sched.num_steps == 1:  # the most tokens each request can keep: 1 + its drafts
-                steps = {rid: 1 + table.num_drafts(rid, sched) for rid in sampled}
-                scoring = self._prompts_to_score(table, order, scheduled)
-            else:
-                steps = {rid: table.decode_steps(rid, sched.num_steps, cfg.max_model_len) for rid in order}
-                counts = np.zeros(b_bucket, np.int32)
-                counts[: len(order)] = [steps[rid] for rid in order]
+        self._table, plan = prepare(self._table, sched, self.ctx, rng, self.adapters)
         self._rng = rng
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             self._prompt_logprobs.discard(rid)
-        if not order:
-            self._table = table
+        if plan is None:
             self._forwarded = PendingOutput([], {}, {}, None, {})
             return state
-
-        for slot, adapter in writes:
-            tensors = adapter.slot_tensors(model, cfg.lora.max_lora_rank, jnp.dtype(ctx.dtype))
-            self.lora = self.programs.run(WRITE_LORA, self.lora, np.int32(slot), tensors)
-        if blocks is not None:
-            state = self.programs.run(WRITE_BLOCKS, state, *blocks)
-        if prefills is not None:
-            state = self.programs.run(WRITE_TOKENS, state, *prefills)
-        decode = ctx.uniform_decode(scheduled)
-        num_top = {rid: table.rows[rid].sampling.num_logprobs for rid in order}
-        if sched.num_steps == 1:
-            last_hidden, hidden, state = self.programs.run(FORWARD, self.params, self.draft_params, self.lora, state,
-                                                           tokens, uniform_decode=decode)
-            self._forwarded = _Forwarded(sched, table, order, steps, num_top, scoring, last_hidden, hidden, samples, flags)
-            self._table = table.advance(scheduled, steps)
-        else:
-            out, state = self._decode(state, tokens, samples, counts, flags, sched.num_steps, decode)
-            self._forwarded = self._pending(order, steps, num_top, out, {})
-            self._table = table.advance(steps, steps)
+        state = self._write_rows(state, plan)
+        if sched.num_steps > 1:
+            out, state = self._decode(state, plan)
+            self._forwarded = self._pending(plan, out, {})
+            return state
+        last_hidden, hidden, state = self.programs.run(
+            FORWARD, params=self.params, draft_params=self.draft_params, lora=self.lora, state=state,
+            tokens=plan.tokens, uniform_decode=plan.uniform_decode)
+        self._forwarded = _Forwarded(plan, last_hidden, hidden)
         return state
 
     def sample_tokens(
@@ -277,90 +185,57 @@ class Runner:
                 raise ValueError("grammar_bitmask given for a step with no structured request that samples one token")
             self._forwarded = None
             return state, fwd
-        check_grammar_bitmask(fwd.sched, grammar_bitmask, self.model_config.vocab_size)
-        samples = fwd.samples
+        plan = fwd.plan
+        check_masks(plan.sched, grammar_bitmask, self.model_config.vocab_size)
         if grammar_bitmask is not None:
-            write_grammar_rows(samples.sampling.grammar_bitmask, fwd.order, fwd.sched, grammar_bitmask, 1 + self.ctx.spec_tokens)
+            write_masks(plan.samples.sampling.grammar_bitmask, plan.order, plan.sched, grammar_bitmask,
+                        self.ctx.queries_per_decode)
         self._forwarded = None
-        num_kept = drafts = None
+        named = dict(params=self.params, state=state, last_hidden=fwd.last_hidden, samples=plan.samples, flags=plan.flags)
         if self.ctx.spec_tokens:
-            out, num_kept, drafts, state = self.programs.run(SPEC_SAMPLE, self.params, self.draft_params, state,
-                                                             fwd.last_hidden, samples, flags=fwd.flags)
+            out, num_kept, drafts, state = self.programs.run(SPEC_SAMPLE, draft_params=self.draft_params, **named)
         else:
-            out, state = self.programs.run(SAMPLE, self.params, state, fwd.last_hidden, samples, flags=fwd.flags)
-        prompt_logprobs = self._score_prompts(fwd.table, fwd.scoring, fwd.sched.num_scheduled_tokens, fwd.hidden)
-        return state, self._pending(fwd.order, fwd.steps, fwd.num_top, out, prompt_logprobs, num_kept, drafts)
+            (out, state), num_kept, drafts = self.programs.run(SAMPLE, **named), None, None
+        prompt_logprobs = self._prompt_logprobs.score(plan.scoring, lambda rows, targets: self.programs.run(
+            PROMPT_LOGPROBS, params=self.params, hidden=fwd.hidden, rows=rows, targets=targets),
+            self.model_config.vocab_size)
+        return state, self._pending(plan, out, prompt_logprobs, num_kept, drafts)
+
+    def _write_rows(self, state: RunnerState, plan: StepPlan) -> RunnerState:
+        """Load the step's adapters into their slots, and its changed rows into the device tables."""
+        for slot, adapter in plan.lora_writes:
+            tensors = adapter.slot_tensors(self.model_config, self.config.lora.max_lora_rank, jnp.dtype(self.ctx.dtype))
+            self.lora = self.programs.run(WRITE_LORA, lora=self.lora, slot=np.int32(slot), adapter=tensors)
+        if plan.block_rows is not None:
+            state = self.programs.run(WRITE_BLOCKS, state=state, slots=plan.block_rows.slots, rows=plan.block_rows.rows)
+        if plan.token_rows is not None:
+            state = self.programs.run(WRITE_TOKENS, state=state, slots=plan.token_rows.slots, rows=plan.token_rows.rows)
+        return state
 
     @staticmethod
-    def _pending(order: list[str], steps: dict[str, int], num_top: dict[str, int], out: SamplerOutput,
-                 prompt_logprobs: dict, num_kept: jax.Array | None = None, drafts: jax.Array | None = None) -> PendingOutput:
+    def _pending(plan: StepPlan, out: SamplerOutput, prompt_logprobs: dict, num_kept: jax.Array | None = None,
+                 drafts: jax.Array | None = None) -> PendingOutput:
         for leaf in jax.tree.leaves((out, num_kept, drafts)):
             leaf.copy_to_host_async()
-        return PendingOutput(order, steps, num_top, out, prompt_logprobs, num_kept, drafts)
+        return PendingOutput(list(plan.order), plan.steps, plan.num_top, out, prompt_logprobs, num_kept, drafts)
 
-    def _decode(
-        self, state: RunnerState, tokens: TokenInputs, samples: SampleInputs, counts: np.ndarray,
-        flags: SamplerFlags, num_steps: int, decode: bool,
-    ) -> tuple[SamplerOutput, RunnerState]:
+    def _decode(self, state: RunnerState, plan: StepPlan) -> tuple[SamplerOutput, RunnerState]:
         """Multi-step decode: in one call for plain sampling (`Context.loops`), else its rounds one
         by one through the single-step programs (same rounds, more dispatches)."""
-        if self.ctx.loops(flags):
-            return self.programs.run(DECODE_LOOP, self.params, self.lora, state, tokens, samples, counts, flags=flags,
-                                     num_steps=num_steps, uniform_decode=decode)
+        if self.ctx.loops(plan.flags):
+            return self.programs.run(DECODE_LOOP, params=self.params, lora=self.lora, state=state, tokens=plan.tokens,
+                                     samples=plan.samples, steps=plan.rounds, flags=plan.flags,
+                                     num_steps=plan.sched.num_steps, uniform_decode=plan.uniform_decode)
         outs = []
-        for j in range(num_steps):
-            tok, smp = decode_round(tokens, samples, counts, j, self.config.max_num_seqs)
-            last_hidden, _, state = self.programs.run(FORWARD, self.params, self.draft_params, self.lora, state, tok,
-                                                      uniform_decode=decode)
-            out, state = self.programs.run(SAMPLE, self.params, state, last_hidden, smp, flags=flags)
+        for j in range(plan.sched.num_steps):
+            tokens, samples = decode_round(plan.tokens, plan.samples, plan.rounds, j, self.config.max_num_seqs)
+            last_hidden, _, state = self.programs.run(FORWARD, params=self.params, draft_params=self.draft_params,
+                                                      lora=self.lora, state=state, tokens=tokens,
+                                                      uniform_decode=plan.uniform_decode)
+            out, state = self.programs.run(SAMPLE, params=self.params, state=state, last_hidden=last_hidden,
+                                           samples=samples, flags=plan.flags)
             outs.append(out)
         return jax.tree.map(lambda *xs: jnp.stack(xs), *outs), state
-
-    def _prompts_to_score(self, table: RequestTable, order: list[str], scheduled: dict[str, int]) -> Scoring:
-        """The rows of this step's tokens whose logits score prompt tokens, per request that wants
-        prompt logprobs.
-
-        The logits at position p score prompt token p + 1, so they come from the backbone's hidden
-        states of this step's tokens; a resumed request (prompt + outputs as prefill) already had
-        them and scores none.
-        """
-        wanting, start = [], 0
-        for rid in order:
-            row, n = table.rows[rid], scheduled[rid]
-            resumed = len(row.prefill_token_ids) > row.prompt_len
-            if row.sampling_params.prompt_logprobs is not None and row.num_computed < row.prompt_len and not resumed:
-                positions = prompt_logprob_positions(row.prompt_len, len(row.prefill_token_ids), row.num_computed, n)
-                wanting.append((rid, [start + p - row.num_computed for p in positions],
-                                [row.prefill_token_ids[p + 1] for p in positions]))
-            start += n
-        return wanting
-
-    def _score_prompts(
-        self, table: RequestTable, wanting: Scoring, scheduled: dict[str, int], hidden: jax.Array
-    ) -> dict[str, LogprobsArrays]:
-        """Prompt logprobs of this step's chunks; a request's whole prompt is returned once, when complete."""
-        if not wanting:
-            return {}
-        rows = [r for _, part, _ in wanting for r in part]
-        targets = [t for _, _, part in wanting for t in part]
-        parts = []
-        for lo in range(0, max(len(rows), 1), PROMPT_LOGPROBS_CHUNK):  # one call even for no rows: `scored` needs its columns
-            chunk_rows, chunk_targets = (np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32) for _ in range(2))
-            n = len(rows[lo : lo + PROMPT_LOGPROBS_CHUNK])
-            chunk_rows[:n], chunk_targets[:n] = rows[lo : lo + n], targets[lo : lo + n]
-            values, ids, ranks = self.programs.run(PROMPT_LOGPROBS, self.params, hidden, chunk_rows, chunk_targets)
-            parts.append(LogprobsArrays(np.asarray(ids)[:n], np.asarray(values)[:n], np.asarray(ranks)[:n]))
-        done, lo = {}, 0
-        scored = LogprobsArrays.concat(parts)
-        for rid, part, _ in wanting:
-            row = table.rows[rid]
-            num_top = row.sampling_params.prompt_logprobs
-            chunk = scored.select(slice(lo, lo + len(part)), self.model_config.vocab_size if num_top == -1 else num_top)
-            lo += len(part)
-            complete = self._prompt_logprobs.add(rid, chunk, row.num_computed + scheduled[rid] >= row.prompt_len)
-            if complete is not None:
-                done[rid] = complete
-        return done
 
     def warmup(self) -> dict:
         """Compile, in parallel, every program a step can run (`Programs.warm_up`): serving then
@@ -387,12 +262,12 @@ class Runner:
         compile that needs no cache allocated (the cache is aliased, so its size changes nothing)."""
         ctx = self.ctx
         flags, b = ctx.sampler_variants[-1], self.config.request_buckets[-1]
+        named = dict(params=ctx.params, state=ctx.state, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags),
+                     flags=flags)
         if ctx.spec_tokens:
-            sampler = self.programs.program(SPEC_SAMPLE, ctx.params, ctx.draft_params, ctx.state, ctx.last_hidden(),
-                                            ctx.samples(b, flags), flags=flags)
+            sampler = self.programs.program(SPEC_SAMPLE, draft_params=ctx.draft_params, **named)
         else:
-            sampler = self.programs.program(SAMPLE, ctx.params, ctx.state, ctx.last_hidden(), ctx.samples(b, flags),
-                                            flags=flags)
+            sampler = self.programs.program(SAMPLE, **named)
         executables = [self.compile_forward(self.config.max_num_batched_tokens), self.programs.executable(sampler)]
         return max(exe.memory_analysis().temp_size_in_bytes for exe in executables)
 
@@ -400,5 +275,6 @@ class Runner:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""
         ctx = self.ctx
         tokens = ctx.tokens(bucket(num_tokens, self.config.token_buckets))
-        return self.programs.executable(self.programs.program(FORWARD, ctx.params, ctx.draft_params, ctx.lora, ctx.state,
-                                                              tokens, uniform_decode=uniform_decode))
+        return self.programs.executable(self.programs.program(
+            FORWARD, params=ctx.params, draft_params=ctx.draft_params, lora=ctx.lora, state=ctx.state, tokens=tokens,
+            uniform_decode=uniform_decode))

@@ -44,14 +44,6 @@ def state_specs(state: RunnerState) -> RunnerState:
                        tuple((pages, pages) for _ in state.draft_kv), P())
 
 
-def kv_cache_bytes(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None = None) -> int:
-    """Bytes of the KV cache: the model's, plus the draft model's (it shares the pages' block ids)."""
-    def per_model(m: ModelConfig) -> int:
-        return 2 * cfg.num_blocks * cfg.block_size * m.num_kv_heads * m.head_dim * m.group_size
-
-    return (per_model(model) + (per_model(draft) if draft is not None else 0)) * cfg.kv_dtype.itemsize
-
-
 def init_state(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None = None) -> RunnerState:
     def pages(m: ModelConfig) -> tuple:
         page = (cfg.num_blocks, cfg.block_size, m.num_kv_heads, m.head_dim)

@@ -27,18 +27,14 @@ Device side (pure, jittable; `sampler.py`):
 - `compute_logprobs(logits [N, V], target_ids [N], num_top, as_logits) -> (values [N, 1+n],
   ids [N, 1+n], ranks [N])`: for sampled tokens and for prompt logprobs.
 
-Speculative decoding (`rejection.py`): `verify_drafts(processed [B * (1 + k), V], md, drafts [B, k],
-num_drafts [B], draft_probs [B, k, V] or None) -> (tokens [B, 1 + k], num_kept [B])`, exact for any
-parameters; `draft_sample(processed, md) -> (tokens, q)` for a draft model's own steps.
-
-Prompt logprobs (`logprobs.py`): `prompt_logprob_positions(prompt_len, prefill_len, num_computed,
+Prompt logprobs (`prompt_logprobs.py`): `prompt_logprob_positions(prompt_len, prefill_len, num_computed,
 num_scheduled)` gives the chunk's positions to score (position p scores prompt token p + 1; none
 after preemption); `PromptLogprobsBuffer.add(req_id, part, prompt_done)` returns the whole
 prompt's `LogprobsArrays` once, in the step that completes the prompt; `discard(req_id)` on
 finish or preemption.
 """
 
-from jaxrunner.sampling.logprobs import PromptLogprobsBuffer, compute_logprobs, prompt_logprob_positions
+from jaxrunner.sampling.logprobs import compute_logprobs
 from jaxrunner.sampling.metadata import (
     NO_LOGPROBS,
     RequestSampling,
@@ -50,25 +46,32 @@ from jaxrunner.sampling.metadata import (
     neutral_metadata,
     prepare_request,
 )
-from jaxrunner.sampling.rejection import draft_sample, verify_drafts
+from jaxrunner.sampling.prompt_logprobs import (
+    PROMPT_LOGPROBS_CHUNK,
+    PromptLogprobsBuffer,
+    PromptScoring,
+    prompt_logprob_positions,
+    prompt_scoring,
+)
 from jaxrunner.sampling.sampler import SamplerOutput, process_logits, sample
 
 __all__ = [
     "NO_LOGPROBS",
+    "PROMPT_LOGPROBS_CHUNK",
     "PromptLogprobsBuffer",
+    "PromptScoring",
     "RequestSampling",
     "SamplerFlags",
     "SamplerOutput",
     "SamplingMetadata",
     "build_sampling_metadata",
     "compute_logprobs",
-    "draft_sample",
     "flag_variants",
     "mask_words",
     "neutral_metadata",
     "prepare_request",
     "process_logits",
     "prompt_logprob_positions",
+    "prompt_scoring",
     "sample",
-    "verify_drafts",
 ]

@@ -1,13 +1,8 @@
-"""Logprobs of chosen tokens plus the top N (device), and the host bookkeeping for prompt logprobs.
+"""Logprobs of chosen tokens plus the top N, on the device.
 
-`compute_logprobs` serves both sampled tokens and prompt logprobs: column 0 is the target token,
-columns 1.. the N largest; the rank is 1-based, the number of logits >= the target's, as in vLLM.
-
-Prompt logprobs (vLLM semantics): the logits at position p score prompt token p + 1, so a prompt of
-length P yields P - 1 rows. A request prefilled in chunks computes its rows chunk by chunk
-(`prompt_logprob_positions`), a `PromptLogprobsBuffer` keeps them, and they are emitted once, in
-the step that completes the prompt. A request resumed after preemption (its prefill holds
-generated tokens too) emitted them before it was preempted, so it computes none.
+`compute_logprobs` serves both sampled tokens and prompt logprobs (`prompt_logprobs.py`): column 0
+is the target token, columns 1.. the N largest; the rank is 1-based, the number of logits >= the
+target's, as in vLLM.
 """
 
 from __future__ import annotations
@@ -15,8 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-from jaxrunner.step_io import LogprobsArrays
 
 TOP_K_ROUND = 16
 
@@ -58,33 +51,3 @@ def top_ids(x: jax.Array, n: int) -> jax.Array:
 
 def _values_at(x: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, ids[:, None], axis=1)[:, 0]
-
-
-def prompt_logprob_positions(prompt_len: int, prefill_len: int, num_computed: int, num_scheduled: int) -> range:
-    """Positions of this step's chunk whose logits score a prompt token (position p scores p + 1).
-
-    Empty for a request resumed after preemption (prefill_len > prompt_len).
-    """
-    if prefill_len > prompt_len:
-        return range(0)
-    return range(num_computed, max(num_computed, min(num_computed + num_scheduled, prompt_len - 1)))
-
-
-class PromptLogprobsBuffer:
-    """Per-request prompt-logprob chunks, handed out once, when the prompt is complete."""
-
-    def __init__(self) -> None:
-        self._parts: dict[str, list[LogprobsArrays]] = {}
-
-    def add(self, req_id: str, part: LogprobsArrays, prompt_done: bool) -> LogprobsArrays | None:
-        """Keep `part`; when `prompt_done`, return every part of the request, in order."""
-        parts = self._parts.setdefault(req_id, [])
-        parts.append(part)
-        if not prompt_done:
-            return None
-        del self._parts[req_id]
-        return LogprobsArrays.concat(parts)
-
-    def discard(self, req_id: str) -> None:
-        """Forget a finished or preempted request's chunks (a preempted prompt starts over)."""
-        self._parts.pop(req_id, None)

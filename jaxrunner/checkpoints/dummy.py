@@ -1,9 +1,16 @@
-"""Real models' shapes, by name: for random weights (`load_format="dummy"`) and the benchmarks
-(W1 is Llama-3-8B's, W2 Qwen3-0.6B's; docs/design.md)."""
+"""Random weights in a model's shape, for `load_format="dummy"`, the built-in tiny model and the
+benchmarks; and real models' shapes by name (W1 is Llama-3-8B's, W2 Qwen3-0.6B's; docs/design.md).
+Beside the checkpoint readers, so that the engine gets weights of either kind from `checkpoints`
+and never reaches into `models` itself."""
 
 from __future__ import annotations
 
+import os
+
+import jax
+
 from jaxrunner.config import ModelConfig, RopeScaling
+from jaxrunner.models.llama import Params, init_params
 
 SHAPES = {
     "llama3-8b": ModelConfig(
@@ -33,3 +40,15 @@ def shape(name: str) -> ModelConfig:
         raise ValueError(f"unknown model shape {name!r}; choose one of {', '.join(SHAPES)}")
     return SHAPES[name]
 
+
+def random_params(config: ModelConfig, dtype: str, seed: int, std: float = 0.02) -> Params:
+    """Normal weights of standard deviation `std` (norm weights ones), the same for a seed on every
+    machine."""
+    return init_params(config, jax.random.key(seed), dtype, std=std)
+
+
+def dummy_model(model: str, dtype: str, seed: int) -> tuple[ModelConfig, Params]:
+    """`load_format="dummy"`: random weights in the shape of `model`, a checkpoint directory (only its
+    config.json is read) or a name in SHAPES."""
+    config = ModelConfig.from_hf(model) if os.path.isdir(model) else shape(model)
+    return config, random_params(config, dtype, seed)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrunner.sampling.metadata import SamplingMetadata
+from jaxrunner.sampling import SamplingMetadata
 from jaxrunner.sampling.sampler import gumbel_noise, uniform_noise
 
 ACCEPT_STREAM, RESIDUAL_STREAM = 1, 2
