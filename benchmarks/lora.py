@@ -11,7 +11,7 @@ projections (q|k|v, o, gate|up, down) of a `--tokens`-row bf16 activation, base 
                block-diagonal expand
   ragged       tokens sorted by slot, shrink and expand as grouped matmuls (`jax.lax.ragged_dot`)
   pallas       the block-diagonal layout through the Pallas shrink and expand kernels
-               (`benchmarks/lora_kernels.py`), which skip the slots a block of tokens does not use
+               (`tests/lora_kernels.py`), which skip the slots a block of tokens does not use
 Prints the median wall time per call (a step is one call: launches count) and the extra over base.
 
     PYTHONPATH=$PWD python3 -P benchmarks/lora.py [--tokens 256] [--loras 4] [--rank 16] [--run-length 1]
@@ -22,15 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrunner.lora.slots import projection_parts
 from jaxrunner.checkpoints.dummy import SHAPES, shape
-from lora_kernels import lora_delta
+from jaxrunner.lora.slots import projection_parts
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))  # the Pallas LoRA kernels live beside their test
+from lora_kernels import lora_delta  # noqa: E402
 
 FORMS = ("base", "masked", "blockdiag", "fused", "ragged", "pallas")
 

@@ -6,7 +6,7 @@ device holds all `max_loras` adapters side by side, each padded to the rank R = 
 [L * P * R, out], block diagonal (part p's R rows feed part p's output columns), with the scaling
 folded in. A token's delta is then two dense matmuls over every slot, the first one's columns of
 other slots zeroed by the token's one-hot slot mask: no gather of weights per token (XLA's grouped
-matmul over tokens sorted by slot and the Pallas shrink/expand kernels of `benchmarks/lora_kernels.py`
+matmul over tokens sorted by slot and the Pallas shrink/expand kernels of `tests/lora_kernels.py`
 measured slower: docs/benchmarks.md), one expand matmul per
 projection (as fast as one per part, and simpler; the zero blocks cost memory), and shapes that
 depend only on (L, R), so adapters come and go without a recompile. Slot value 0 is the base model (an all-zero mask row); slot value l + 1 is device slot l.
