@@ -19,9 +19,10 @@ from jaxrunner.runner.grammar_masks import all_allowed
 from jaxrunner.runner.input_batch import batch_order, block_table_rows, bucket, build_inputs, prefill_rows
 from jaxrunner.runner.request_table import RequestTable
 from jaxrunner.runner.step import SampleInputs, TokenInputs
-from jaxrunner.sampling import PromptScoring, SamplerFlags, prompt_scoring
+from jaxrunner.sampling import NO_LOGPROBS, PromptScoring, SamplerFlags, prompt_scoring
+from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.spec_decode.drafts import num_drafts
-from jaxrunner.step_io import SchedulerOutput, reject
+from jaxrunner.step_io import NewRequestData, SchedulerOutput, reject
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,10 @@ def prepare(
     scheduled = sched.num_scheduled_tokens
     b_bucket = bucket(len(order), cfg.request_buckets)
     t_bucket = bucket(sched.total_num_scheduled_tokens, cfg.token_buckets)
+    uniform_decode = ctx.uniform_decode(scheduled)
+    masks = all_allowed(sched, len(order), ctx.queries_per_decode, model.vocab_size)
     slot_values, writes = adapters.activate(lora_ids) if lora_ids else ({}, [])
     lora_slots = {rid: slot_values[table.rows[rid].lora_id] for rid in order if table.rows[rid].lora_id}
-    masks = all_allowed(sched, len(order), ctx.queries_per_decode, model.vocab_size)
     tokens, samples, flags, sampled = build_inputs(table, list(order), scheduled, cfg, model.vocab_size, t_bucket,
                                                    b_bucket, sched.scheduled_spec_decode_tokens, masks, lora_slots)
     hits = [n.req_id for n in sched.scheduled_new_reqs if n.num_computed_tokens]
@@ -97,7 +99,7 @@ def prepare(
         tokens=tokens,
         samples=samples,
         flags=flags,
-        uniform_decode=ctx.uniform_decode(scheduled),
+        uniform_decode=uniform_decode,
         rounds=rounds,
         block_rows=_rows(block_table_rows, table, dirty, ctx),
         token_rows=_rows(prefill_rows, table, hits, ctx),
@@ -126,3 +128,53 @@ def _scoring(table: RequestTable, order: tuple[str, ...], scheduled: dict[str, i
                 found.append(scoring)
         start += scheduled[rid]
     return tuple(found)
+
+
+def warmup_plans(ctx: Context) -> list[StepPlan]:
+    """The plans of synthetic schedules that reach every program variant a runner can ask for: each
+    request bucket with each sampler variant (the new requests past a prefix-cache hit, so the row
+    writes come too), each token bucket in the backbone's general and decode forms, and each
+    multi-step decode batch. Warm-up compiles the programs these plans call, so what it compiles and
+    what serving runs come from one function, `prepare`."""
+    cfg = ctx.config
+    groups = len(ctx.model.kv_cache_groups)
+    blocks = [b % cfg.num_blocks for b in range(cfg.max_blocks_per_req)]  # room for any length
+
+    def plan(lengths: list[int], params: SamplingParams = SamplingParams(), computed: int = 0, num_steps: int = 1,
+             structured: bool = False) -> StepPlan:
+        new = [NewRequestData(f"warmup-{i}", [1] * n, (blocks,) * groups, computed, params)
+               for i, n in enumerate(lengths)]
+        scheduled = {r.req_id: n - computed for r, n in zip(new, lengths)}
+        sched = SchedulerOutput(new, num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+                                num_steps=num_steps,
+                                structured_output_request_ids={r.req_id: i for i, r in enumerate(new)} if structured else {})
+        empty = RequestTable.empty(cfg.max_num_seqs)
+        return prepare(empty, sched, ctx, np.random.default_rng(0), Adapters(ctx.model, cfg.lora))[1]
+
+    plans = []
+    largest_decode = min(cfg.max_num_seqs * ctx.queries_per_decode, cfg.max_num_batched_tokens)
+    for t in reversed(cfg.token_buckets):  # the largest first: they compile slowest
+        for decode in ctx.forward_forms(t):
+            size = ctx.queries_per_decode if decode else cfg.max_model_len
+            total = min(t, largest_decode) if decode else t
+            lengths = [size] * (total // size) + [total % size] * (total % size > 0)
+            if len(lengths) <= cfg.max_num_seqs:  # else no batch lands in this bucket
+                plans.append(plan(lengths))
+    if cfg.num_scheduler_steps > 1:
+        pairs = {}
+        for n in range(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens) + 1):
+            pairs.setdefault((bucket(n, cfg.token_buckets), bucket(n, cfg.request_buckets)), n)
+        for n in sorted(pairs.values(), reverse=True):
+            for flags in filter(ctx.loops, ctx.sampler_variants):
+                plans.append(plan([1] * n, _sampling_params(flags), num_steps=cfg.num_scheduler_steps))
+    for b in reversed(cfg.request_buckets):
+        for flags in ctx.sampler_variants:
+            plans.append(plan([2] * b, _sampling_params(flags), computed=1, structured=flags.grammar))
+    return plans
+
+
+def _sampling_params(flags: SamplerFlags) -> SamplingParams:
+    """Parameters whose batch is promoted to `flags`: the variants are plain, truncation and
+    everything, each without and with logprobs (a variant's grammar comes from the schedule)."""
+    features = dict(repetition_penalty=1.1) if flags.penalties else dict(top_k=2) if flags.top_k_top_p else {}
+    return SamplingParams(temperature=0.0, logprobs=None if flags.num_logprobs == NO_LOGPROBS else 0, **features)

@@ -3,9 +3,10 @@
 `jax.jit` compiles on first use, and serving must not compile; so the runner keeps its executables
 itself. A program kind is one `Kind` record: its device function (whose keyword-only arguments are
 its static options), what it donates, `key`, which tells its executables apart and is computed from
-the arguments of the call itself, and `examples`, the arguments of every variant a runner can ask
-for. Warm-up compiles exactly the examples and a call finds its executable by the same `key`, so
-the two cannot disagree; a call that no example covered compiles on first use, is counted
+the arguments of the call itself, and `examples`, the calls made by the plans of synthetic schedules
+(`plan.warmup_plans`, which `plan.prepare` makes as it makes a served step's). Warm-up compiles
+exactly the examples and a call finds its executable by the same `key`, so the two cannot
+disagree; a call that no example covered compiles on first use, is counted
 (`compiled_on_use`) and logged. Adding a program kind is one `Kind` below, added to `KINDS`.
 
 A runner's programs depend only on its `Context` (model, runner configuration, kernels, dtype), so
@@ -17,6 +18,7 @@ looks for the executable on disk, which needs no lowering.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -31,7 +33,7 @@ import numpy as np
 
 from jaxrunner.lora.slots import write_slot
 from jaxrunner.runner.context import Context
-from jaxrunner.runner.input_batch import bucket
+from jaxrunner.runner.plan import StepPlan, warmup_plans
 from jaxrunner.runner.program_cache import ProgramCache, compile_noting_cache_hits
 from jaxrunner.runner.step import (
     decode_loop,
@@ -47,19 +49,21 @@ from jaxrunner.spec_decode.sample import spec_sample_step
 logger = logging.getLogger(__name__)
 
 Example = dict  # a call's named arguments, its static options among them
+Plans = list[StepPlan]  # the plans of warm-up's synthetic schedules (`plan.warmup_plans`)
 
 
 @dataclass(frozen=True, eq=False)
 class Kind:
     """One kind of program, its arguments read by name. `fixed(ctx)`: the static options all of one
     runner's calls share; a call names the other arguments, and `key` of them tells its executables
-    apart. `examples(ctx)` yields every variant the runner can ask for; `donate` names the arguments
-    whose buffers the program takes over."""
+    apart. `examples(ctx, plans)` yields the calls the plans of warm-up's synthetic schedules make
+    (those of every variant a runner can ask for); `donate` names the arguments whose buffers the
+    program takes over."""
 
     name: str
     fn: Callable
     key: Callable[[dict], tuple]
-    examples: Callable[[Context], Iterator[Example]]
+    examples: Callable[[Context, Plans], Iterator[Example]]
     fixed: Callable[[Context], dict] = lambda ctx: {}
     donate: tuple[str, ...] = ()
     jitted: Callable = field(init=False)
@@ -72,65 +76,56 @@ class Kind:
         object.__setattr__(self, "jitted", jax.jit(self.fn, static_argnames=statics, donate_argnames=self.donate))
 
 
-def _write_blocks_examples(ctx: Context) -> Iterator[Example]:
-    cfg = ctx.config
-    for b in reversed(cfg.request_buckets):
-        rows = np.zeros((len(ctx.model.kv_cache_groups), b, cfg.max_blocks_per_req), np.int32)
-        yield dict(state=ctx.state, slots=np.full(b, cfg.max_num_seqs, np.int32), rows=rows)
+def _write_blocks_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+    for plan in plans:
+        if plan.block_rows is not None:
+            yield dict(state=ctx.state, slots=plan.block_rows.slots, rows=plan.block_rows.rows)
 
 
-def _write_tokens_examples(ctx: Context) -> Iterator[Example]:
-    cfg = ctx.config
-    for b in reversed(cfg.request_buckets):
-        yield dict(state=ctx.state, slots=np.full(b, cfg.max_num_seqs, np.int32),
-                   rows=np.zeros((b, cfg.max_model_len), np.int32))
+def _write_tokens_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+    for plan in plans:
+        if plan.token_rows is not None:
+            yield dict(state=ctx.state, slots=plan.token_rows.slots, rows=plan.token_rows.rows)
 
 
-def _forward_examples(ctx: Context) -> Iterator[Example]:
-    for t in reversed(ctx.config.token_buckets):
-        for decode in ctx.forward_forms(t):
-            yield dict(params=ctx.params, draft_params=ctx.draft_params, lora=ctx.lora, state=ctx.state,
-                       tokens=ctx.tokens(t), uniform_decode=decode)
+def _forward_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+    for plan in plans:
+        yield dict(params=ctx.params, draft_params=ctx.draft_params, lora=ctx.lora, state=ctx.state, tokens=plan.tokens,
+                   uniform_decode=plan.uniform_decode)
 
 
-def _sample_examples(ctx: Context) -> Iterator[Example]:
-    if ctx.spec_tokens:
-        return
-    for b in reversed(ctx.config.request_buckets):
-        for flags in ctx.sampler_variants:
-            yield dict(params=ctx.params, state=ctx.state, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags),
-                       flags=flags)
+def _sampler_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+    for plan in plans:
+        yield dict(params=ctx.params, state=ctx.state, last_hidden=ctx.last_hidden(), samples=plan.samples,
+                   flags=plan.flags)
 
 
-def _spec_sample_examples(ctx: Context) -> Iterator[Example]:
+def _sample_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
     if not ctx.spec_tokens:
-        return
-    for b in reversed(ctx.config.request_buckets):
-        for flags in ctx.sampler_variants:
-            yield dict(params=ctx.params, draft_params=ctx.draft_params, state=ctx.state, last_hidden=ctx.last_hidden(),
-                       samples=ctx.samples(b, flags), flags=flags)
+        yield from _sampler_examples(ctx, plans)
 
 
-def _decode_loop_examples(ctx: Context) -> Iterator[Example]:
-    cfg = ctx.config
-    if cfg.num_scheduler_steps == 1:
-        return
-    largest = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-    buckets = {(bucket(n, cfg.token_buckets), bucket(n, cfg.request_buckets)) for n in range(1, largest + 1)}
-    for t, b in sorted(buckets, reverse=True):  # the (token, request) buckets of a batch of n decodes
-        for flags in filter(ctx.loops, ctx.sampler_variants):
-            yield dict(params=ctx.params, lora=ctx.lora, state=ctx.state, tokens=ctx.tokens(t),
-                       samples=ctx.samples(b, flags), steps=np.zeros(b, np.int32), flags=flags,
-                       num_steps=cfg.num_scheduler_steps, uniform_decode=ctx.decode_form)
+def _spec_sample_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+    if ctx.spec_tokens:
+        for named in _sampler_examples(ctx, plans):
+            yield named | dict(draft_params=ctx.draft_params)
 
 
-def _prompt_logprobs_examples(ctx: Context) -> Iterator[Example]:
+def _decode_loop_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+    for plan in plans:
+        if plan.sched.num_steps > 1 and ctx.loops(plan.flags):
+            yield dict(params=ctx.params, lora=ctx.lora, state=ctx.state, tokens=plan.tokens, samples=plan.samples,
+                       steps=plan.rounds, flags=plan.flags, num_steps=plan.sched.num_steps,
+                       uniform_decode=plan.uniform_decode)
+
+
+def _prompt_logprobs_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
     rows = np.zeros(PROMPT_LOGPROBS_CHUNK, np.int32)
-    for t in reversed(ctx.config.token_buckets):
-        yield dict(params=ctx.params, hidden=ctx.hidden(t), rows=rows, targets=rows)
+    for plan in plans:
+        yield dict(params=ctx.params, hidden=ctx.hidden(plan.tokens.token_ids.shape[0]), rows=rows, targets=rows)
 
 
-def _write_lora_examples(ctx: Context) -> Iterator[Example]:
+def _write_lora_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
     if ctx.config.lora.enabled:
         yield dict(lora=ctx.lora, slot=np.int32(0), adapter=ctx.adapter)
 
@@ -212,7 +207,16 @@ class Programs:
                        kind.fixed(self.ctx) | statics)
 
     def examples(self, kind: Kind) -> list[Program]:
-        return [self.program(kind, **named) for named in kind.examples(self.ctx)]
+        """The distinct programs of `kind` that warm-up's plans call, in the plans' order (the largest first)."""
+        unique = {}
+        for named in kind.examples(self.ctx, self._warmup_plans):
+            program = self.program(kind, **named)
+            unique.setdefault(program.key, program)
+        return list(unique.values())
+
+    @functools.cached_property
+    def _warmup_plans(self) -> Plans:
+        return warmup_plans(self.ctx)
 
     def warmup_programs(self) -> list[Program]:
         """Every program a runner of this context can ask for."""

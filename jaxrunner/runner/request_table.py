@@ -124,8 +124,8 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
         )
     if sched.num_steps < 1:
         reject(f"num_steps must be at least 1, got {sched.num_steps}")
-    check_drafts(sched, table.rows, cfg.speculative.num_speculative_tokens, vocab_size, scheduled)
     check_structured(sched, table.rows)
+    check_drafts(sched, table.rows, cfg.speculative.num_speculative_tokens, vocab_size, scheduled)
     total = sum(sched.num_scheduled_tokens.values())
     if total != sched.total_num_scheduled_tokens:
         reject(f"total_num_scheduled_tokens={sched.total_num_scheduled_tokens} but the per-request counts sum to {total}")
@@ -211,3 +211,6 @@ def _check_types(sched: SchedulerOutput) -> None:
     for rid, groups in zip(cached.req_ids, cached.new_block_ids):
         if groups is not None:
             block_ids(f"request {rid!r}: new_block_ids", groups)
+    for rid, ids in sched.scheduled_spec_decode_tokens.items():
+        if not isinstance(ids, (list, tuple)) or not all_ints(ids):
+            reject(f"request {rid!r}: draft tokens must be a list of integers, got {ids!r:.60}")
