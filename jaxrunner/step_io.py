@@ -2,7 +2,9 @@
 
 Host-side dataclasses with vLLM's field names (vllm/v1/core/sched/output.py, vllm/v1/outputs.py),
 so a vLLM user recognises them. They carry plain Python values; the runner turns them into
-padded device arrays.
+padded device arrays. The scheduler's records check their own types when made (a count or an id
+that is no integer would be truncated, or fail deep in the step): the runner then checks a
+schedule only against what it holds.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import NoReturn
 
 import numpy as np
 
+from jaxrunner.checks import all_ints, is_int
 from jaxrunner.lora_request import LoRARequest
 from jaxrunner.sampling_params import SamplingParams
 
@@ -35,6 +38,18 @@ class NewRequestData:
     prefill_token_ids: list[int] | None = None
     lora_request: LoRARequest | None = None
 
+    def __post_init__(self) -> None:
+        rid = self.req_id
+        if not isinstance(self.sampling_params, SamplingParams):
+            reject(f"request {rid!r}: sampling_params must be a SamplingParams, got {type(self.sampling_params).__name__}")
+        if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
+            reject(f"request {rid!r}: lora_request must be a LoRARequest, got {type(self.lora_request).__name__}")
+        _ints(f"request {rid!r}: token ids", self.prompt_token_ids)
+        if self.prefill_token_ids is not None:
+            _ints(f"request {rid!r}: prefill token ids", self.prefill_token_ids)
+        _block_ids(f"request {rid!r}: block_ids", self.block_ids)
+        _ints("num_computed_tokens", [self.num_computed_tokens])
+
     @property
     def all_prefill_token_ids(self) -> list[int]:
         return self.prompt_token_ids if self.prefill_token_ids is None else self.prefill_token_ids
@@ -47,6 +62,12 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _ints("num_computed_tokens", self.num_computed_tokens)
+        for rid, groups in zip(self.req_ids, self.new_block_ids):
+            if groups is not None:
+                _block_ids(f"request {rid!r}: new_block_ids", groups)
 
 
 @dataclass(frozen=True)
@@ -72,6 +93,24 @@ class SchedulerOutput:
     num_steps: int = 1
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        _ints("num_scheduled_tokens", list(self.num_scheduled_tokens.values()))
+        _ints("total_num_scheduled_tokens and num_steps", [self.total_num_scheduled_tokens, self.num_steps])
+        for rid, ids in self.scheduled_spec_decode_tokens.items():
+            if not isinstance(ids, (list, tuple)) or not all_ints(ids):
+                reject(f"request {rid!r}: draft tokens must be a list of integers, got {ids!r:.60}")
+
+
+def _ints(what: str, values: Sequence) -> None:
+    if not all_ints(values):
+        reject(f"{what} must be integers, got {[v for v in values if not is_int(v)][:5]}")
+
+
+def _block_ids(what: str, groups: object) -> None:
+    if not isinstance(groups, (tuple, list)) or not all(isinstance(g, (tuple, list)) for g in groups):
+        reject(f"{what} must hold one list of block ids per KV-cache group, got {groups!r:.60}")
+    _ints(what, [b for group in groups for b in group])
 
 
 def reject(problem: str) -> NoReturn:

@@ -228,7 +228,6 @@ def test_runner_takes_host_drafts_and_keeps_the_accepted_prefix():
     (_decode([1, 2, 3], blocks=([2, 3],)), "3 draft tokens exceed num_speculative_tokens=2"),
     (_decode([1], blocks=([2, 3],), n=3), "a decode with 1 drafts schedules 2 tokens, not 3"),
     (_decode([10**6], blocks=([2, 3],)), "outside the vocabulary"),
-    (_decode([1.5], blocks=([2, 3],)), "must be a list of integers"),
     (_decode([1, 2], computed=6, blocks=None), "2 blocks cannot hold 9 tokens"),
 ])
 def test_runner_rejects_bad_drafts_and_keeps_its_state(sched, message):
@@ -237,6 +236,11 @@ def test_runner_rejects_bad_drafts_and_keeps_its_state(sched, message):
         runner.step(state, sched)
     state, out = runner.step(state, _decode([-1, -1], blocks=([2, 3],)))  # the device's drafts: the runner is intact
     assert 1 <= len(out.sampled_token_ids[0]) <= 3
+
+
+def test_draft_tokens_are_checked_when_the_schedule_is_made():
+    with pytest.raises(ValueError, match="must be a list of integers"):
+        _decode([1.5], blocks=([2, 3],))
 
 
 def test_drafts_need_speculative_decoding_and_a_decode():

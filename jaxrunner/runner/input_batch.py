@@ -36,13 +36,12 @@ def build_inputs(
     b_bucket: int,
     drafts: dict[str, list[int]] | None = None,
     grammar_bitmask: np.ndarray | None = None,
-    lora_slots: dict[str, int] | None = None,
 ) -> tuple[TokenInputs, SampleInputs, SamplerFlags, set[str]]:
     """Padded arrays for one step, the sampler's static flags, and the requests that sample a token.
     `drafts`: the scheduled draft tokens per request (speculative decoding); `grammar_bitmask`: the
-    rows' masks, or -1 (all allowed) of their shape until `grammar_masks.write_masks` fills them;
-    `lora_slots`: the LoRA slot value of each request with an adapter."""
-    drafts, lora_slots = drafts or {}, lora_slots or {}
+    rows' masks, or -1 (all allowed) of their shape until `grammar_masks.write_masks` fills them.
+    The tokens' LoRA slots are all 0 (the base model) here: `plan` sets them."""
+    drafts = drafts or {}
     r, s = cfg.max_num_seqs, cfg.max_num_seqs
     token_ids = np.full(t_bucket, -1, np.int32)
     token_rows = np.full(t_bucket, r, np.int32)
@@ -72,8 +71,6 @@ def build_inputs(
             positions[start : start + n] = np.arange(row.num_computed, end, dtype=np.int32)
             sample_positions.append(end)
         token_rows[start : start + n] = row.slot
-        if rid in lora_slots:
-            token_lora[start : start + n] = lora_slots[rid]
         start += n
         qsl[i + 1] = start
         seq_lens[i] = end

@@ -9,6 +9,7 @@ every check has passed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ from jaxrunner.runner.step import SampleInputs, TokenInputs
 from jaxrunner.sampling import NO_LOGPROBS, PromptScoring, SamplerFlags, prompt_scoring
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.spec_decode.drafts import num_drafts
-from jaxrunner.step_io import NewRequestData, SchedulerOutput, reject
+from jaxrunner.step_io import NewRequestData, SchedulerOutput, decode_steps
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,8 @@ def prepare(
     """The table once `sched` is dispatched, and its plan (None for a step that schedules nothing).
     `rng` draws the seeds of new requests without one."""
     cfg, model = ctx.config, ctx.model
-    for new in sched.scheduled_new_reqs:
-        if new.lora_request is not None:
-            adapters.add(new.lora_request)
     table, dirty = table.apply(sched, cfg, model, rng)
     order = tuple(batch_order(sched))
-    lora_ids = {table.rows[rid].lora_id for rid in order} - {0}
-    if len(lora_ids) > cfg.lora.max_loras:
-        reject(f"the step uses {len(lora_ids)} LoRA adapters, more than max_loras={cfg.lora.max_loras}")
     if not order:
         return table, None
 
@@ -77,20 +72,22 @@ def prepare(
     t_bucket = bucket(sched.total_num_scheduled_tokens, cfg.token_buckets)
     uniform_decode = ctx.uniform_decode(scheduled)
     masks = all_allowed(sched, len(order), ctx.queries_per_decode, model.vocab_size)
-    slot_values, writes = adapters.activate(lora_ids) if lora_ids else ({}, [])
-    lora_slots = {rid: slot_values[table.rows[rid].lora_id] for rid in order if table.rows[rid].lora_id}
     tokens, samples, flags, sampled = build_inputs(table, list(order), scheduled, cfg, model.vocab_size, t_bucket,
-                                                   b_bucket, sched.scheduled_spec_decode_tokens, masks, lora_slots)
+                                                   b_bucket, sched.scheduled_spec_decode_tokens, masks)
     hits = [n.req_id for n in sched.scheduled_new_reqs if n.num_computed_tokens]
+    block_rows, token_rows = _rows(block_table_rows, table, dirty, ctx), _rows(prefill_rows, table, hits, ctx)
+    scoring = _scoring(table, order, scheduled) if sched.num_steps == 1 else ()
+    tokens, lora_writes = _lora(adapters, sched, table, order, tokens, cfg.max_num_seqs)
     rounds = np.zeros(b_bucket if sched.num_steps > 1 else 0, np.int32)
     if sched.num_steps == 1:
         steps = {rid: 1 + num_drafts(sched, rid) for rid in sampled}
-        scoring = _scoring(table, order, scheduled)
         computed = scheduled
     else:
-        steps = {rid: table.decode_steps(rid, sched.num_steps, cfg.max_model_len) for rid in order}
+        rows = [table.rows[rid] for rid in order]
+        steps = {r.req_id: decode_steps(sched.num_steps, r.num_tokens, r.num_tokens - r.prompt_len, r.sampling_params,
+                                        cfg.max_model_len) for r in rows}
         rounds[: len(order)] = [steps[rid] for rid in order]
-        scoring, computed = (), steps
+        computed = steps
     plan = StepPlan(
         sched=sched,
         order=order,
@@ -101,12 +98,31 @@ def prepare(
         flags=flags,
         uniform_decode=uniform_decode,
         rounds=rounds,
-        block_rows=_rows(block_table_rows, table, dirty, ctx),
-        token_rows=_rows(prefill_rows, table, hits, ctx),
-        lora_writes=tuple(writes),
+        block_rows=block_rows,
+        token_rows=token_rows,
+        lora_writes=lora_writes,
         scoring=scoring,
     )
     return table.advance(computed, steps, cfg.speculative), plan
+
+
+def _lora(
+    adapters: Adapters, sched: SchedulerOutput, table: RequestTable, order: tuple[str, ...], tokens: TokenInputs,
+    max_num_seqs: int,
+) -> tuple[TokenInputs, tuple[tuple[int, Adapter], ...]]:
+    """Make the step's adapters resident (new ones read and checked first): the tokens then carry
+    their requests' slot values (0: the base model), and the plan the slot writes that takes."""
+    for new in sched.scheduled_new_reqs:
+        if new.lora_request is not None:
+            adapters.add(new.lora_request)
+    lora_ids = {table.rows[rid].lora_id for rid in order} - {0}
+    if not lora_ids:
+        return tokens, ()
+    values, writes = adapters.activate(lora_ids)
+    by_slot = np.zeros(max_num_seqs + 1, np.int32)  # by table slot; the last is padding's
+    for rid in order:
+        by_slot[table.rows[rid].slot] = values.get(table.rows[rid].lora_id, 0)
+    return dataclasses.replace(tokens, lora_slots=by_slot[tokens.token_rows]), tuple(writes)
 
 
 def _rows(make, table: RequestTable, req_ids: list[str], ctx: Context) -> RowWrites | None:

@@ -10,9 +10,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from jaxrunner.checks import all_ints, is_int
 from jaxrunner.config import ModelConfig, RunnerConfig, SpeculativeConfig
-from jaxrunner.lora_request import LoRARequest
 from jaxrunner.runner.grammar_masks import check_structured
 from jaxrunner.sampling import RequestSampling, prepare_request
 from jaxrunner.sampling_params import SamplingParams
@@ -93,13 +91,8 @@ class RequestTable:
             rows[rid] = replace(row, relative=is_relative(spec, row))
         return RequestTable(rows, self.free_slots)
 
-    def decode_steps(self, rid: str, num_steps: int, max_model_len: int) -> int:
-        row = self.rows[rid]
-        return decode_steps(num_steps, row.num_tokens, row.num_tokens - row.prompt_len, row.sampling_params, max_model_len)
-
 
 def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab_size: int, num_groups: int) -> None:
-    _check_types(sched)
     gone = (set(sched.finished_req_ids) | set(sched.preempted_req_ids)) & table.rows.keys()
     live = table.rows.keys() - gone
     new_ids = [n.req_id for n in sched.scheduled_new_reqs]
@@ -182,35 +175,3 @@ def _check(table: RequestTable, sched: SchedulerOutput, cfg: RunnerConfig, vocab
         known = computed + 1 + num_drafts(sched, rid) if row.relative else row.num_tokens
         check_request(rid, all_blocks, computed, known, row.prompt_len, row.sampling_params)
 
-
-def _check_types(sched: SchedulerOutput) -> None:
-    """Counts, positions and ids must be ints: a float would be truncated, or fail deep in the step."""
-
-    def ints(what: str, values: list) -> None:
-        if not all_ints(values):
-            reject(f"{what} must be integers, got {[v for v in values if not is_int(v)][:5]}")
-
-    cached = sched.scheduled_cached_reqs
-    ints("num_scheduled_tokens", list(sched.num_scheduled_tokens.values()))
-    ints("total_num_scheduled_tokens and num_steps", [sched.total_num_scheduled_tokens, sched.num_steps])
-    ints("num_computed_tokens", [n.num_computed_tokens for n in sched.scheduled_new_reqs] + list(cached.num_computed_tokens))
-    def block_ids(what: str, groups: object) -> None:
-        if not isinstance(groups, (tuple, list)) or not all(isinstance(g, (tuple, list)) for g in groups):
-            reject(f"{what} must hold one list of block ids per KV-cache group, got {groups!r:.60}")
-        ints(what, [b for group in groups for b in group])
-
-    for new in sched.scheduled_new_reqs:
-        if not isinstance(new.sampling_params, SamplingParams):
-            reject(f"request {new.req_id!r}: sampling_params must be a SamplingParams, got {type(new.sampling_params).__name__}")
-        if new.lora_request is not None and not isinstance(new.lora_request, LoRARequest):
-            reject(f"request {new.req_id!r}: lora_request must be a LoRARequest, got {type(new.lora_request).__name__}")
-        ints(f"request {new.req_id!r}: token ids", list(new.prompt_token_ids))
-        if new.prefill_token_ids is not None:
-            ints(f"request {new.req_id!r}: prefill token ids", list(new.prefill_token_ids))
-        block_ids(f"request {new.req_id!r}: block_ids", new.block_ids)
-    for rid, groups in zip(cached.req_ids, cached.new_block_ids):
-        if groups is not None:
-            block_ids(f"request {rid!r}: new_block_ids", groups)
-    for rid, ids in sched.scheduled_spec_decode_tokens.items():
-        if not isinstance(ids, (list, tuple)) or not all_ints(ids):
-            reject(f"request {rid!r}: draft tokens must be a list of integers, got {ids!r:.60}")

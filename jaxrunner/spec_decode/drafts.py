@@ -40,7 +40,7 @@ def num_drafts(sched: SchedulerOutput, req_id: str) -> int:
 
 
 def check_drafts(sched: SchedulerOutput, rows: Mapping[str, Row], k: int, vocab_size: int, scheduled: set[str]) -> None:
-    """Drafts (lists of ints: checked with the schedule's other types) go with decodes of requests
+    """Drafts (lists of ints, as `SchedulerOutput` checks when made) go with decodes of requests
     that sampled before, 1 + len(drafts) tokens scheduled; -1 stands for the draft the device
     proposed there (vLLM's placeholder)."""
     drafts = sched.scheduled_spec_decode_tokens
