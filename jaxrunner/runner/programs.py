@@ -139,7 +139,7 @@ def _decode_loop_options(ctx: Context) -> dict:
 
 
 def _forward_options(ctx: Context) -> dict:
-    return dict(model=ctx.model, draft_model=ctx.draft_model, kernels=ctx.kernels, spec_tokens=ctx.spec_tokens,
+    return dict(model=ctx.model, draft_model=ctx.draft_model, kernels=ctx.kernels, queries_per_seq=ctx.queries_per_decode,
                 max_loras=ctx.config.lora.max_loras, kv_scales=ctx.config.kv_scales)
 
 

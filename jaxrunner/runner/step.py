@@ -157,25 +157,25 @@ def backbone(
 
 def forward_step(
     params: Params, draft_params: Params, lora: tuple, state: RunnerState, tokens: TokenInputs, *, model: ModelConfig,
-    draft_model: ModelConfig | None, kernels: Kernels, uniform_decode: bool, spec_tokens: int, max_loras: int,
+    draft_model: ModelConfig | None, kernels: Kernels, uniform_decode: bool, queries_per_seq: int, max_loras: int,
     kv_scales: tuple[float, float],
 ) -> tuple[jax.Array, jax.Array, RunnerState]:
-    """(hidden states of each sequence's last 1 + spec_tokens tokens [S, 1 + k, H], of every token
-    [T, H], the new state). Row i of a sequence is the hidden state after its i-th draft; the rows
+    """(hidden states of each sequence's last `queries_per_seq` (1 + k) tokens [S, 1 + k, H], of every
+    token [T, H], the new state). Row i of a sequence is the hidden state after its i-th draft; the rows
     past its first 1 + num_drafts are junk."""
     tokens = resolve_positions(state, tokens)
     num_rows = state.token_ids.shape[0]
     rows = jnp.minimum(tokens.token_rows, num_rows - 1)
     ids = jnp.where(tokens.token_ids >= 0, tokens.token_ids, state.token_ids[rows, tokens.positions])
     token_ids = state.token_ids.at[tokens.token_rows, tokens.positions].set(ids, mode="drop")
-    qps = 1 + spec_tokens
+    qps = queries_per_seq
     hidden, kv = backbone(params, model, state.kv, state, tokens, ids, kernels, uniform_decode, qps, kv_scales, lora,
                           max_loras)
     draft_kv = state.draft_kv
     if draft_model is not None:  # the draft model's pages follow the target's, token for token
         _, draft_kv = backbone(draft_params, draft_model, draft_kv, state, tokens, ids, kernels, uniform_decode, qps,
                                kv_scales)
-    first = tokens.query_start_loc[1:] - 1 - jnp.minimum(tokens.num_drafts, spec_tokens)
+    first = tokens.query_start_loc[1:] - 1 - jnp.minimum(tokens.num_drafts, qps - 1)
     index = jnp.clip(first[:, None] + jnp.arange(qps)[None, :], 0, hidden.shape[0] - 1)
     return hidden[index], hidden, dataclasses.replace(state, token_ids=token_ids, kv=kv, draft_kv=draft_kv)
 
@@ -248,7 +248,7 @@ def decode_loop(
     def round_(state: RunnerState, j: jax.Array) -> tuple[RunnerState, SamplerOutput]:
         tok, smp = decode_round(tokens, samples, steps, j, state.token_ids.shape[0])
         last_hidden, _, state = forward_step(params, {}, lora, state, tok, model=model, draft_model=None, kernels=kernels,
-                                             uniform_decode=uniform_decode, spec_tokens=0, max_loras=max_loras,
+                                             uniform_decode=uniform_decode, queries_per_seq=1, max_loras=max_loras,
                                              kv_scales=kv_scales)
         out, state = sample_step(params, state, last_hidden, smp, model=model, kernels=kernels, flags=flags)
         return state, out
