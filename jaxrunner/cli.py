@@ -53,6 +53,7 @@ ENGINE_FLAGS = (
     ("skip_tokenizer_init", None, "no tokenizer: each PROMPT is token ids (\"1,2,3\"), token ids are printed"),
     ("dtype", str, "auto, float32, bfloat16 or float16"),
     ("kv_cache_dtype", str, "auto (the model's dtype) or fp8 (e4m3 pages: twice the KV blocks)"),
+    ("quantization", str, "the layers' linear weights as fp8 (W8A8), int8 or int4 (weight-only), quantized as they load"),
     ("max_model_len", int, None),
     ("block_size", int, None),
     ("max_num_seqs", int, None),

@@ -10,6 +10,7 @@ model its `check_model`'s, stated nowhere else: the engine builds a RunnerConfig
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -29,6 +30,15 @@ SUPPORTED_ARCHITECTURES = (
 )
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+QUANTIZATION_FORMATS = ("fp8", "int8", "int4")  # vLLM's `quantization=` names (`models.quantization`)
+_GROUPS = {"int8": 128, "int4": 32}  # the most rows of K that share a scale
+
+
+def quantization_group(k: int, fmt: str) -> int:
+    """Rows of K that share a scale in format `fmt`: all of them for fp8 (a scale per output column),
+    else the largest divisor of K up to the format's group (int8 on a model whose K is not a multiple
+    of 128, such as SmolLM2's 576, gets 64)."""
+    return k if fmt == "fp8" else math.gcd(k, _GROUPS[fmt])
 
 
 @dataclass(frozen=True)
@@ -80,8 +90,14 @@ class ModelConfig:
     # each its own heads' q|k|v and its own slice of gate|up (`parallel.shard_layout`); the embedding
     # and the LM head hold `padded_vocab_size` tokens.
     shards: int = 1
+    # How the layers' linear weights are held (`models.quantization`): None (the runner's dtype),
+    # "fp8", "int8" or "int4". The embedding, the LM head, the norms and the MoE experts stay dense.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_FORMATS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_FORMATS)} (or None), "
+                             f"got {self.quantization!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -529,6 +545,11 @@ def _check_split(model: ModelConfig, tp: int) -> None:
     kv = model.num_kv_heads
     if kv % tp if kv >= tp else tp % kv:
         problems.append(f"num_key_value_heads={kv} (neither a multiple nor a divisor of {tp})")
+    if model.quantization:  # o and down split along K: their scales' groups (if several) with it
+        for name, k in (("o_proj", model.num_heads * model.head_dim), ("down_proj", model.intermediate_size)):
+            groups = k // quantization_group(k, model.quantization)
+            if groups > 1 and groups % tp:
+                problems.append(f"{name}'s {groups} {model.quantization} groups of {k // groups} rows")
     if problems:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {', '.join(problems)}; "
                          "choose a tensor_parallel_size that divides them")

@@ -7,6 +7,7 @@ several ways and compare the tokens; the engine's real scheduler lives in jaxrun
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import jax
@@ -140,3 +141,11 @@ def prompt_logits(cfg, params, prompt: list[int], chunk: int, block_size: int = 
         logits, kv = chunk_logits(cfg, params, kv, ids, pos, md, kv_scales=kv_scales)
         out.append(np.asarray(logits))
     return np.concatenate(out)
+
+
+def perplexity(llm, text: str | dict) -> float:
+    """exp of the mean negative logprob of `text`'s tokens after the first (`text`: a string, or a
+    prompt dict of token ids), from `llm`'s prompt logprobs."""
+    out = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    logprobs = [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
+    return math.exp(-sum(logprobs) / len(logprobs))

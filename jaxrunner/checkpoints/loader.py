@@ -10,6 +10,7 @@ tensors make each param, and how, is declared once in `models.tensors`.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -21,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxrunner.config import ModelConfig
 from jaxrunner.checkpoints.gguf_file import GGUFFile, gguf_path, open_gguf
-from jaxrunner.models.llama import Params, param_structs
+from jaxrunner.models.llama import Params, param_structs, quantize_params
 from jaxrunner.models.tensors import Tensor, each_tensor, layer_tensors, top_tensors
 
 
@@ -62,9 +63,10 @@ class Checkpoint:
                 raw = self.tensors.read(part.name)
             except (SafetensorError, ValueError) as e:
                 raise ValueError(f"cannot read tensor {part.name} of checkpoint {self.path!r}: {e}") from None
-            groups.setdefault(part.expert, []).append(tensor.weight.storage.store(raw.T if part.transposed else raw, dtype))
-        joined = [g[0] if len(g) == 1 else jnp.concatenate(g, axis=-1) for g in groups.values()]
-        return joined[0] if None in groups else jnp.stack(joined)
+            groups.setdefault(part.expert, []).append(tensor.storage.store(raw.T if part.transposed else raw, dtype))
+        joined = [g[0] if len(g) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=-1), *g)
+                  for g in groups.values()]
+        return joined[0] if None in groups else jax.tree.map(lambda *xs: jnp.stack(xs), *joined)
 
 
 PARAMS_DIR = "params"  # the orbax checkpoint inside a directory written by save_params
@@ -172,3 +174,11 @@ def load_model(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCo
     """Read the config and every weight of a local checkpoint, cast to `dtype`."""
     checkpoint = open_checkpoint(path)
     return checkpoint.config, checkpoint.load(dtype)
+
+
+def held_as(config: ModelConfig, params: Params, quantization: str | None) -> tuple[ModelConfig, Params]:
+    """A loaded model held in `quantization`'s format (`models.quantization`; None: as loaded)."""
+    if quantization is None:
+        return config, params
+    config = dataclasses.replace(config, quantization=quantization)
+    return config, quantize_params(config, params)

@@ -19,14 +19,14 @@ import jax
 
 from jaxrunner import platform
 from jaxrunner.checks import check_bool, check_int, is_real
-from jaxrunner.config import LoraConfig, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig
+from jaxrunner.config import QUANTIZATION_FORMATS, LoraConfig, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig
 from jaxrunner.engine.block_manager import blocks_to_hold, null_blocks
 from jaxrunner.engine.default_model import default_model, default_model_config
 from jaxrunner.engine.generation_config import check_generation_config
 from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.checkpoints.dummy import Params, dummy_model
-from jaxrunner.checkpoints.loader import Checkpoint, open_checkpoint
+from jaxrunner.checkpoints.loader import Checkpoint, held_as, open_checkpoint
 from jaxrunner.runner import Runner, bytes_per_block, lora_bytes
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ class EngineArgs:
     `jaxrunner.runner.parallel`); `data_parallel_size`: replicas of it, each on devices of its own
     (`engine.data_parallel`; `data_parallel_rank` is the replica an engine is). `kv_cache_dtype`:
     "auto" (the model's dtype) or "fp8" (e4m3 pages, twice the blocks; `config.RunnerConfig`).
+    `quantization`: how the layers' linear weights are held, None (the dtype), "fp8" (W8A8), "int8"
+    or "int4" (weight-only), quantized from the checkpoint as it loads (`models.quantization`).
     `generation_config`: where requests' sampling defaults come from, "auto" (the model's
     generation_config.json), "vllm" (SamplingParams' own) or a directory (`engine.generation_config`)."""
 
@@ -70,6 +72,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -116,6 +119,9 @@ class EngineArgs:
             raise ValueError("load_format='dummy' needs model: a checkpoint directory or a shape name")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_FORMATS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_FORMATS)} (or unset), "
+                             f"got {self.quantization!r}")
         if not (is_real(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         check_generation_config(self.generation_config)
@@ -258,10 +264,13 @@ def open_model(args: EngineArgs) -> Checkpoint | None:
 
 
 def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) -> tuple[ModelConfig, Params]:
-    """The model's config and weights: the built-in tiny model, the checkpoint, or random weights."""
+    """The model's config and weights (the built-in tiny model, the checkpoint, or random weights),
+    held in `args.quantization`'s format."""
     if checkpoint is not None:
-        return checkpoint.config, checkpoint.load(dtype)
-    return default_model(dtype) if args.model is None else dummy_model(args.model, dtype, args.seed)
+        config, params = checkpoint.config, checkpoint.load(dtype)
+    else:
+        config, params = default_model(dtype) if args.model is None else dummy_model(args.model, dtype, args.seed)
+    return held_as(config, params, args.quantization)
 
 
 def load_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple[ModelConfig, Params] | None:

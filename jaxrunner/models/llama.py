@@ -4,7 +4,8 @@ params pytree. Gemma is this decoder with its options (`ModelConfig.gemma`): nor
 local and global layers with their own windows and RoPE bases. Mixtral and Qwen3-MoE are this
 decoder with `models.moe`'s MLP.
 
-Params are plain dicts, every matrix stored [in, out]. Layers are a tuple of per-layer dicts and
+Params are plain dicts, every matrix stored [in, out] (a quantized one as `quantization.Quantized`,
+its values and scales). Layers are a tuple of per-layer dicts and
 the forward pass unrolls them in Python: XLA then sees one array per layer and never copies a
 layer's weights out of a stacked array (a `lax.scan` over stacked weights does, and decode then
 runs far slower; docs/design.md). The projections that read the same input are stored side by side (q|k|v,
@@ -26,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.moe import GroupedMatmul, moe_mlp
+from jaxrunner.models.quantization import matmul
 from jaxrunner.models.tensors import Tensor, layer_tensors, model_tensors, top_tensors
 
 Params = dict
@@ -51,10 +53,10 @@ def param_specs(cfg: ModelConfig) -> dict:
 
     def spec(t: Tensor) -> P:
         if t.weight.split is None:
-            return P()
+            return t.storage.spec(P(), t.shape)
         axes = [None] * len(t.shape)
         axes[t.weight.split] = MODEL_AXIS
-        return P(*axes)
+        return t.storage.spec(P(*axes), t.shape)
 
     return jax.tree.map(spec, model_tensors(cfg))
 
@@ -62,7 +64,7 @@ def param_specs(cfg: ModelConfig) -> dict:
 def param_structs(cfg: ModelConfig, dtype: str, sharding: jax.sharding.Sharding | None = None) -> dict:
     """Every param as its storage's `jax.ShapeDtypeStruct` in `dtype` (on `sharding`): the params
     without data, for ahead-of-time compiles and for restoring saved params into place."""
-    return jax.tree.map(lambda t: t.weight.storage.struct(t.shape, dtype, sharding), model_tensors(cfg))
+    return jax.tree.map(lambda t: t.storage.struct(t.shape, dtype, sharding), model_tensors(cfg))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: str = "float32", std: float = 0.02) -> Params:
@@ -89,8 +91,13 @@ def _draw(key: jax.Array, first: int, tensors: tuple[Tensor, ...], dtype: str, s
         else:
             values = std * jax.random.normal(jax.random.fold_in(key, first + n), t.shape)
             n += 1
-        out[t.name] = t.weight.storage.store(values, dtype)
+        out[t.name] = t.storage.store(values, dtype)
     return out
+
+
+def quantize_params(cfg: ModelConfig, params: Params) -> Params:
+    """Dense `params` (as a checkpoint loads) held as `cfg` says: its quantized weights converted."""
+    return jax.tree.map(lambda t, w: t.storage.store(w, w.dtype), model_tensors(cfg), params)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False) -> jax.Array:
@@ -202,7 +209,7 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
     Triton IR each time), was most of start-up. XLA inlines the calls: the compiled step is the same."""
 
     def project(h: jax.Array, name: str) -> jax.Array:
-        out = h @ p[name]
+        out = matmul(h, p[name])
         return out + lora_delta(h, lora[name], lora_mask) if lora else out
 
     def norm(h: jax.Array, name: str) -> jax.Array:

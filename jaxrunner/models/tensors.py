@@ -4,7 +4,8 @@ A `Weight` is a kind of weight, declared once below: its key in the params pytre
 parallelism splits, how random init fills it, the checkpoint tensors it is read from (under Hugging
 Face's names and llama.cpp's, concatenated along our last axis, transposed or not) and how it is
 stored. `layer_tensors` and `top_tensors` are the one place that decides, from a ModelConfig, which
-weights a model has and their shapes (`Tensor`). Everything else is derived from them: the params'
+weights a model has, their shapes and how each is held (`Tensor`: dense, or in the model's
+`quantization` format). Everything else is derived from them: the params'
 shapes, PartitionSpecs, ShapeDtypeStructs and random init (`llama.param_shapes` and its siblings),
 the checkpoint readers' names (`checkpoints.loader`, `checkpoints.gguf_file`) and the projections
 LoRA adapts (`lora.slots.projection_parts`, `lora.adapters.MODULES`).
@@ -12,6 +13,7 @@ LoRA adapts (`lora.slots.projection_parts`, `lora.adapters.MODULES`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,14 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.config import ModelConfig
+from jaxrunner.models.quantization import QuantizedStorage
 
 
 @dataclass(frozen=True)
 class Dense:
-    """How a weight is held on the device: one array of its shape in the runner's dtype, as every
-    weight is today. The params' structs, random init and the checkpoint loader ask a weight's
-    storage for its arrays, so a quantized format (fp8 or int4: the weight and a scale tensor) is
-    another storage beside this one, with these two methods, named by the weights it applies to."""
+    """How a weight is held on the device: one array of its shape in the runner's dtype. The params'
+    structs and specs, random init and the checkpoint loaders ask a tensor's storage for its arrays;
+    a quantized format is another storage with these methods (`quantization.QuantizedStorage`)."""
 
     def struct(self, shape: tuple[int, ...], dtype: str,
                sharding: jax.sharding.Sharding | None = None) -> jax.ShapeDtypeStruct:
@@ -37,6 +39,9 @@ class Dense:
     def store(self, values: jax.Array | np.ndarray, dtype: str) -> jax.Array:
         """The stored array of float `values` (a random draw, or a tensor read from a checkpoint)."""
         return jnp.asarray(values, dtype)
+
+    def spec(self, spec: jax.sharding.PartitionSpec, shape: tuple[int, ...]) -> jax.sharding.PartitionSpec:
+        return spec
 
 
 DENSE = Dense()
@@ -64,7 +69,6 @@ class Weight:
     split: int | None = None  # the axis split over the tensor-parallel shards; None: each holds it whole
     transposed: bool = False  # checkpoints store it [out, in] (a linear layer's weight); we store [in, out]
     init: str = "normal"  # random init: "normal" (std * N(0, 1)) or "ones" (a norm's weight)
-    storage: Dense = DENSE
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class Tensor:
     weight: Weight
     shape: tuple[int, ...]
     fused: tuple[int, ...] = ()  # the widths of its sources along the last axis, when it has several
+    storage: Dense | QuantizedStorage = DENSE
 
     @property
     def name(self) -> str:
@@ -134,6 +139,7 @@ EXPERTS = {
 }
 # The projections a LoRA adapter may adapt; PEFT names each of their parts by its Hugging Face module.
 LORA_TARGETS = (WQKV, WO, W_GATE_UP, W_DOWN)
+QUANTIZED = LORA_TARGETS  # the weights `ModelConfig.quantization` holds in its format
 
 
 def layer_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
@@ -154,6 +160,9 @@ def layer_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
         layer += [Tensor(Q_NORM, (d,)), Tensor(K_NORM, (d,))]
     if cfg.gemma:
         layer += [Tensor(POST_ATTN_NORM, (h,)), Tensor(POST_MLP_NORM, (h,))]
+    if cfg.quantization:
+        held = QuantizedStorage(cfg.quantization)
+        layer = [dataclasses.replace(t, storage=held) if t.weight in QUANTIZED else t for t in layer]
     return {t.name: t for t in layer}
 
 

@@ -63,8 +63,14 @@ def shard_layout(params: Params, model: ModelConfig, tp: int) -> Params:
             k, v = (jnp.repeat(x.reshape(*x.shape[:-1], kv, d), repeat, axis=-2).reshape(*x.shape[:-1], -1) for x in (k, v))
         return by_shard(q, k, v)
 
+    def gate_up(w: jax.Array) -> jax.Array:
+        return by_shard(*jnp.split(w, 2, axis=-1))
+
+    def columns(regroup, w):  # a quantized weight's values, scales and offsets alike: each ends in its columns
+        return jax.tree.map(lambda x: regroup(x) if x.size else x, w)
+
     def layer(p: dict) -> dict:
-        out = dict(p, wqkv=qkv(p["wqkv"]), w_gate_up=by_shard(*jnp.split(p["w_gate_up"], 2, axis=-1)))
+        out = dict(p, wqkv=columns(qkv, p["wqkv"]), w_gate_up=columns(gate_up, p["w_gate_up"]))
         if "bqkv" in p:
             out["bqkv"] = qkv(p["bqkv"])
         return out

