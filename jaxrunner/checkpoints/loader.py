@@ -18,12 +18,15 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxrunner.config import ModelConfig
+from jaxrunner.checkpoints.fp8 import block_size, read_fp8
 from jaxrunner.checkpoints.gguf_file import GGUFFile, gguf_path, open_gguf
 from jaxrunner.models.llama import Params, param_structs, quantize_params
-from jaxrunner.models.tensors import Tensor, each_tensor, layer_tensors, top_tensors
+from jaxrunner.models.tensors import DENSE, Tensor, each_tensor, layer_tensors, top_tensors
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Checkpoint:
     # our name (or (layer, name)) -> its parts, concatenated along the last axis (expert by expert,
     # the experts then stacked)
     parts: dict[object, list[Part]]
+    fp8_block: tuple[int, int] | None = None  # an fp8 checkpoint's scale blocks (`fp8.block_size`)
 
     def load(self, dtype: str = "float32") -> Params:
         """Every param, stored in `dtype` as its tensor's storage holds it."""
@@ -58,12 +62,17 @@ class Checkpoint:
     def _read(self, key: str | tuple[int, str], tensor: Tensor, dtype: str) -> jax.Array:
         """One param: its parts read, stored and joined."""
         groups: dict[int | None, list[jax.Array]] = {}
+        stored_fp8 = self.config.quantization == "fp8" and tensor.storage != DENSE  # its values and scales as they are
         for part in self.parts[key]:
             try:
-                raw = self.tensors.read(part.name)
-            except (SafetensorError, ValueError) as e:
+                if stored_fp8:
+                    value = read_fp8(self.tensors, part.name, self.fp8_block)
+                else:
+                    raw = self.tensors.read(part.name)
+                    value = tensor.storage.store(raw.T if part.transposed else raw, dtype)
+            except (SafetensorError, ValueError, KeyError) as e:
                 raise ValueError(f"cannot read tensor {part.name} of checkpoint {self.path!r}: {e}") from None
-            groups.setdefault(part.expert, []).append(tensor.storage.store(raw.T if part.transposed else raw, dtype))
+            groups.setdefault(part.expert, []).append(value)
         joined = [g[0] if len(g) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=-1), *g)
                   for g in groups.values()]
         return joined[0] if None in groups else jax.tree.map(lambda *xs: jnp.stack(xs), *joined)
@@ -113,6 +122,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint | SavedParams:
     else:
         config = ModelConfig.from_hf(path)
         tensors = SafetensorsFiles(_safetensors_files(path))
+    fp8 = block_size(path) if config.quantization == "fp8" else None
 
     def parts(tensor: Tensor, layer: int | None) -> list[Part]:
         weight, shape = tensor.weight, tensor.shape
@@ -133,7 +143,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint | SavedParams:
             wrong.append(f"{p.name}: expected {p.shape[::-1] if p.transposed else p.shape}, got {stored}")
     if wrong:
         raise ValueError(f"checkpoint {path!r} has mis-shaped tensors: {'; '.join(wrong[:8])}")
-    return Checkpoint(path, config, tensors, wanted)
+    return Checkpoint(path, config, tensors, wanted, fp8)
 
 
 class SafetensorsFiles:
@@ -141,18 +151,31 @@ class SafetensorsFiles:
 
     def __init__(self, files: list[str]) -> None:
         self.tensors = {}  # name -> the open file holding it
+        self.files = {}  # name -> that file's path
         for file in files:
             try:
                 f = safe_open(file, framework="flax")
             except (OSError, SafetensorError) as e:
                 raise ValueError(f"cannot read the weights file {file!r}: {e}") from None
             self.tensors.update({name: f for name in f.keys()})
+            self.files.update({name: file for name in f.keys()})
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name].get_slice(name).get_shape())
 
     def read(self, name: str):
+        if self.tensors[name].get_slice(name).get_dtype() == "F8_E4M3":  # which safetensors' readers cannot make
+            return self._read_bytes(name, ml_dtypes.float8_e4m3fn)
         return self.tensors[name].get_tensor(name)
+
+    def _read_bytes(self, name: str, dtype) -> np.ndarray:
+        """A tensor read straight from its file: an 8-byte header length, the JSON header, the data."""
+        with open(self.files[name], "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            entry = json.loads(f.read(header_len))[name]
+            start, end = entry["data_offsets"]
+            f.seek(8 + header_len + start)
+            return np.frombuffer(f.read(end - start), dtype).reshape(entry["shape"])
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -178,7 +201,10 @@ def load_model(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCo
 
 def held_as(config: ModelConfig, params: Params, quantization: str | None) -> tuple[ModelConfig, Params]:
     """A loaded model held in `quantization`'s format (`models.quantization`; None: as loaded)."""
-    if quantization is None:
+    if quantization is None or quantization == config.quantization:
         return config, params
+    if config.quantization is not None:
+        raise ValueError(f"the checkpoint holds {config.quantization} weights; quantization={quantization!r} would "
+                         f"round them again: leave quantization unset (or {config.quantization!r})")
     config = dataclasses.replace(config, quantization=quantization)
     return config, quantize_params(config, params)
