@@ -13,6 +13,7 @@
 #   bash benchmarks/serving.sh serve      # W2's requests through `jaxrunner serve` (HTTP, streamed), then W2 offline (needs fastapi, uvicorn, openai)
 #   bash benchmarks/serving.sh families   # Gemma, MoE and KV-cache groups on the GPU: parity, the engine's groups, fp8's logit error
 #   bash benchmarks/serving.sh moe        # the Qwen3-30B-A3B shape's decode at batch 1 and 64, each with the HF peer
+#   bash benchmarks/serving.sh quant      # W1 in bf16 (with the HF peer), fp8, int8 and int4; W2 in bf16 and fp8
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 case "$1" in
@@ -74,6 +75,14 @@ for _ in range(400):
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kv_cache_groups.py tests/test_ragged_paged_attention.py \
       -k "engine or draft or before_the_window" 2>&1 | tail -3
     timeout 150 python3 -P benchmarks/fp8_kv.py --shape qwen3-0.6b 2>&1 | tail -4 ;;
+  quant)
+    timeout 200 python3 -m jaxrunner.cli bench latency --json "$OUT/w1_bf16.json" 2>&1 | tail -4
+    for q in fp8 int8 int4; do
+      timeout 100 python3 -m jaxrunner.cli bench latency --no-peer --quantization $q --json "$OUT/w1_$q.json" 2>&1 | grep jaxrunner
+    done
+    for q in "" "--quantization fp8"; do
+      timeout 100 python3 -m jaxrunner.cli bench throughput --no-peer $q 2>&1 | tr '\r' '\n' | grep jaxrunner
+    done ;;
   moe)  # batch 64: 64 prompts of 128 tokens, 128 new each (the prefill is in the time)
     timeout 280 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --json "$OUT/moe_b1.json" 2>&1 | tail -6
     timeout 300 python3 -m jaxrunner.cli bench throughput --shape qwen3-30b-a3b --num-prompts 64 --min-prompt 128 \

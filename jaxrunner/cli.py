@@ -27,6 +27,7 @@ import os
 import sys
 
 from jaxrunner.checkpoints.dummy import SHAPES
+from jaxrunner.config import QUANTIZATION_FORMATS
 
 # (flag, type, help) for the SamplingParams fields the CLI exposes; `type` None means a switch.
 SAMPLING_FLAGS = (
@@ -176,6 +177,8 @@ def _add_bench_parser(commands) -> None:
         workload.add_argument("--speculative-config", type=json.loads, metavar="JSON",
                               help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
         workload.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over")
+        workload.add_argument("--quantization", choices=QUANTIZATION_FORMATS,
+                              help="the layers' weights in this format (the peer stays in bf16)")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -186,7 +189,8 @@ def bench(args: argparse.Namespace) -> int:
                                         args.min_prompt, args.max_prompt, args.new, args.seed), args)
     common = dict(shape_name=args.shape, num_scheduler_steps=args.num_scheduler_steps,
                   async_scheduling=args.async_scheduling, seed=args.seed, peer=args.peer,
-                  speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size)
+                  speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
+                  quantization=args.quantization)
     if args.workload == "latency":
         module = latency
         result = latency.run(prompt=args.prompt, new=args.new, iters=args.iters, oracle=args.oracle, **common)

@@ -34,6 +34,9 @@ def test_latency(tmp_path, capsys):
     assert result["floor_ms"] > 0 and result["fraction_of_floor"] == result["floor_ms"] / result["decode_ms_per_step"]
     assert result["peer"] == {"skipped": "--no-peer"} and "speedup_vs_peer" not in result
     assert "ms per decode step" in out and "skipped (--no-peer)" in out
+    int4, _ = _bench(tmp_path, capsys, "latency", "--prompt", "8", "--new", "8", "--iters", "1", "--quantization", "int4")
+    assert int4["args"]["quantization"] == "int4" and int4["decode_ms_per_step"] > 0
+    assert int4["floor_ms"] < 0.8 * result["floor_ms"]  # its projections read in 4 bits (and their scales)
 
 
 def test_latency_with_an_oracle_accepts_every_draft(tmp_path, capsys):

@@ -85,6 +85,7 @@ def run(
     speculative_config: dict | None = None,
     oracle: int = 0,
     tensor_parallel_size: int = 1,
+    quantization: str | None = None,
 ) -> dict:
     """One warm-up generation (every graph compiled), then `iters` timed ones, each with a fresh
     random prompt; the peer runs first, in its own process, on the same prompts."""
@@ -101,6 +102,8 @@ def run(
         args.update(speculative_config=speculative_config, oracle=oracle)
     if tensor_parallel_size > 1:
         args.update(tensor_parallel_size=tensor_parallel_size)
+    if quantization:
+        args.update(quantization=quantization)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, model.vocab_size, prompt).tolist() for _ in range(iters + 1)]
@@ -121,6 +124,7 @@ def run(
         seed=seed,
         speculative_config=speculative_config,
         tensor_parallel_size=tensor_parallel_size,
+        quantization=quantization,
     )
     engine = llm.llm_engine
     bar = tqdm(prompts, desc="W1 latency (warm-up + runs)")

@@ -44,6 +44,7 @@ def run(
     num_loras: int = 0,
     lora_rank: int = 16,
     tensor_parallel_size: int = 1,
+    quantization: str | None = None,
     data_parallel_size: int = 1,
 ) -> dict:
     """A short warm-up generation (a few requests, prompts of their own so the prefix cache cannot
@@ -62,6 +63,8 @@ def run(
         args.update(num_loras=num_loras, lora_rank=lora_rank)
     if tensor_parallel_size > 1 or data_parallel_size > 1:
         args.update(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
+    if quantization:
+        args.update(quantization=quantization)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_prompt, max_prompt + 1, num_prompts)
@@ -82,6 +85,7 @@ def run(
         seed=seed,
         speculative_config=speculative_config,
         tensor_parallel_size=tensor_parallel_size,
+        quantization=quantization,
         data_parallel_size=data_parallel_size,
         **lora_args,
     )
