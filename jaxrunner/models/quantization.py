@@ -48,7 +48,7 @@ def storage_dtype(fmt: str) -> jnp.dtype:
 @dataclass(frozen=True)
 class QuantizedStorage:
     """How a quantized weight is held (`models.tensors.Tensor.storage`): the counterpart of `Dense`
-    with the same methods, and the PartitionSpecs of its two arrays."""
+    with the same methods: the arrays it holds, their PartitionSpecs, and how it quantizes."""
 
     format: str
 
