@@ -34,6 +34,11 @@ QUANTIZATION_FORMATS = ("fp8", "int8", "int4")  # vLLM's `quantization=` names (
 _GROUPS = {"int8": 128, "int4": 32}  # the most rows of K that share a scale
 
 
+def check_quantization(quantization: object) -> None:
+    if quantization is not None and quantization not in QUANTIZATION_FORMATS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_FORMATS)} (or unset), got {quantization!r}")
+
+
 def quantization_group(k: int, fmt: str) -> int:
     """Rows of K that share a scale in format `fmt`: all of them for fp8 (a scale per output column),
     else the largest divisor of K up to the format's group (int8 on a model whose K is not a multiple
@@ -114,9 +119,7 @@ class ModelConfig:
     quantization: str | None = None
 
     def __post_init__(self) -> None:
-        if self.quantization is not None and self.quantization not in QUANTIZATION_FORMATS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_FORMATS)} (or None), "
-                             f"got {self.quantization!r}")
+        check_quantization(self.quantization)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "

@@ -19,7 +19,7 @@ import jax
 
 from jaxrunner import platform
 from jaxrunner.checks import check_bool, check_int, is_real
-from jaxrunner.config import QUANTIZATION_FORMATS, LoraConfig, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig
+from jaxrunner.config import LoraConfig, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig, check_quantization
 from jaxrunner.engine.block_manager import blocks_to_hold, null_blocks
 from jaxrunner.engine.default_model import default_model, default_model_config
 from jaxrunner.engine.generation_config import check_generation_config
@@ -119,9 +119,7 @@ class EngineArgs:
             raise ValueError("load_format='dummy' needs model: a checkpoint directory or a shape name")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_FORMATS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_FORMATS)} (or unset), "
-                             f"got {self.quantization!r}")
+        check_quantization(self.quantization)  # before anything loads
         if not (is_real(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         check_generation_config(self.generation_config)
