@@ -4,9 +4,13 @@ Each case multiplies a 16-row bf16 activation (the smallest token bucket) by the
 `--layers` layers in one jitted call, as a decode step does, so the weights come from HBM, not L2;
 its time is the GPU's busy time in a device trace. Prints GB/s of weight bytes read and the
 fraction of the H200's copy bandwidth (docs/design.md): the reason q|k|v and gate|up are stored side by side.
+With `--quantization` the weights are held in that format (models/quantization.py) and the bytes
+counted are the ones it stores, so the figures say how close each format's matmul comes to streaming them;
+the matmul is the runner's (`step.projection_matmul`: the Mosaic kernel where it applies), or XLA's
+alone with `--xla`.
 
-    PYTHONPATH=$PWD python benchmarks/matmul.py --shape llama3-8b
-Writes $OUT/matmul_<shape>.json when OUT is set.
+    PYTHONPATH=$PWD python benchmarks/matmul.py --shape llama3-8b [--quantization fp8|int8|int4]
+Writes $OUT/matmul_<shape>[_<format>].json when OUT is set.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.profile import busy_ns, trace_kernels
-from jaxrunner.bench.floors import COPY_BANDWIDTH
+from jaxrunner.bench.floors import COPY_BANDWIDTH, weight_bytes_per_step
 from jaxrunner.checkpoints.dummy import SHAPES, shape
+from jaxrunner.config import QUANTIZATION_FORMATS, Kernels
+from jaxrunner.models.quantization import matmul, quantize
+from jaxrunner.runner.step import projection_matmul
 
 
 def layouts(name: str) -> dict[str, list[tuple[int, int]]]:
@@ -40,12 +47,17 @@ def layouts(name: str) -> dict[str, list[tuple[int, int]]]:
     }
 
 
-def seconds_per_layer(x: jax.Array, layers: list[list[jax.Array]], reps: int) -> float:
-    """GPU busy time per layer, from a device trace of `reps` calls."""
-    call = jax.jit(lambda x, layers: [[x @ w for w in ws] for ws in layers])
+def seconds_per_layer(x: jax.Array, layers: list[list], reps: int, product) -> float:
+    """GPU busy time per layer, from a device trace of `reps` calls of `product`."""
+    call = jax.jit(lambda x, layers: [[product(x, w) for w in ws] for ws in layers])
     jax.block_until_ready(call(x, layers))
     events = trace_kernels(lambda: [jax.block_until_ready(call(x, layers)) for _ in range(reps)])
     return busy_ns(events) / (reps * len(layers)) / 1e9
+
+
+def weight(key: jax.Array, shape: tuple[int, int], fmt: str | None):
+    w = jax.random.normal(key, shape, jnp.bfloat16)
+    return quantize(w, fmt) if fmt else w
 
 
 def main() -> None:
@@ -53,26 +65,30 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quantization", choices=QUANTIZATION_FORMATS)
+    parser.add_argument("--xla", action="store_true", help="XLA's matmul, not the runner's choice")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit("benchmarks/matmul.py needs a GPU: its times come from a device trace")
 
-    results = {"device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""), "cases": {}}
+    results = {"device": jax.devices()[0].device_kind, "quantization": args.quantization or "bf16", "xla": args.xla,
+               "xla_flags": os.environ.get("XLA_FLAGS", ""), "cases": {}}
     key = itertools.count()
     for case, shapes in layouts(args.shape).items():
         k = shapes[0][0]
-        layer_bytes = sum(2 * a * b for a, b in shapes)
-        count = max(2, min(args.layers, int(4e9 // layer_bytes)))
-        layers = [[jax.random.normal(jax.random.key(next(key)), s, jnp.bfloat16) for s in shapes] for _ in range(count)]
+        count = max(2, min(args.layers, int(4e9 // sum(2 * a * b for a, b in shapes))))
+        layers = [[weight(jax.random.key(next(key)), s, args.quantization) for s in shapes] for _ in range(count)]
+        layer_bytes = weight_bytes_per_step({"layers": layers}) / count
         x = jax.random.normal(jax.random.key(0), (16, k), jnp.bfloat16)
-        seconds = seconds_per_layer(x, layers, args.reps)
+        seconds = seconds_per_layer(x, layers, args.reps, matmul if args.xla else projection_matmul(Kernels.choose("auto")))
         gbps = layer_bytes / seconds / 1e9
         results["cases"][case] = {"shapes": shapes, "us_per_layer": seconds * 1e6, "gbps": gbps}
         print(f"{case:20s} {' + '.join(f'[{a}x{b}]' for a, b in shapes):32s} {seconds * 1e6:7.1f} us "
               f"{gbps:6.0f} GB/s ({gbps * 1e9 / COPY_BANDWIDTH:4.0%} of copy)", flush=True)
         del layers
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"matmul_{args.shape}.json"), "w") as f:
+        name = f"matmul_{args.shape}" + (f"_{args.quantization}" if args.quantization else "") + ("_xla" if args.xla else "")
+        with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
             json.dump(results, f, indent=1)
 
 

@@ -179,6 +179,8 @@ def _add_bench_parser(commands) -> None:
         workload.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over")
         workload.add_argument("--quantization", choices=QUANTIZATION_FORMATS,
                               help="the layers' weights in this format (the peer stays in bf16)")
+        workload.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                              help="the fraction of device memory the runner may take (weights, KV cache, activations)")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -190,7 +192,7 @@ def bench(args: argparse.Namespace) -> int:
     common = dict(shape_name=args.shape, num_scheduler_steps=args.num_scheduler_steps,
                   async_scheduling=args.async_scheduling, seed=args.seed, peer=args.peer,
                   speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
-                  quantization=args.quantization)
+                  quantization=args.quantization, gpu_memory_utilization=args.gpu_memory_utilization)
     if args.workload == "latency":
         module = latency
         result = latency.run(prompt=args.prompt, new=args.new, iters=args.iters, oracle=args.oracle, **common)

@@ -1,4 +1,5 @@
-"""Pallas kernels for jaxrunner (GPU through the Triton lowering; interpret mode on CPU)."""
+"""Pallas kernels for jaxrunner: through the Triton lowering (interpret mode on CPU), and Mosaic GPU
+(`quantized_matmul`, Hopper only)."""
 
 from pallas_kernels.attention_kernel import KernelConfig
 from pallas_kernels.common import FP8

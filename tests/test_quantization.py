@@ -68,7 +68,7 @@ def test_matmul_matches_the_dequantized_reference(fmt):
     q = quantize(jnp.asarray(w), fmt)
     got = np.asarray(matmul(jnp.asarray(x), q))
     groups = q.scales.shape[0]
-    held = np.asarray(q.values, np.float32).reshape(groups, -1, 40) * np.asarray(q.scales)[:, None]
+    held = np.asarray(q.values, np.float32).T.reshape(groups, -1, 40) * np.asarray(q.scales)[:, None]
     if fmt == "int4":
         held = held + np.asarray(q.offsets)[:, None]
     held = held.reshape(256, 40)
@@ -94,7 +94,7 @@ def test_a_quantized_model_is_held_in_its_format_and_split_with_it(fmt):
     runners = [Runner(cfg, params, RunnerConfig(**config, tensor_parallel_size=tp)) for tp in (1, 2)]
     assert drive(runners[1], prompts, 12) == drive(runners[0], prompts, 12)
     wo = runners[1].params["layers"][0]["wo"]  # split along its 64 rows: int4's 2 groups with them; one group
-    assert wo.values.sharding.spec[0] == "model"  # (fp8's, and int8's of up to 128 rows) whole on each shard
+    assert wo.values.sharding.spec[1] == "model"  # (fp8's, and int8's of up to 128 rows) whole on each shard
     assert wo.scales.sharding.spec[0] == ("model" if fmt == "int4" else None)
 
 

@@ -46,6 +46,7 @@ def run(
     tensor_parallel_size: int = 1,
     quantization: str | None = None,
     data_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.9,
 ) -> dict:
     """A short warm-up generation (a few requests, prompts of their own so the prefix cache cannot
     serve the timed ones), then one timed `generate` of all the requests; the peer runs first, in
@@ -65,6 +66,8 @@ def run(
         args.update(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
     if quantization:
         args.update(quantization=quantization)
+    if gpu_memory_utilization != 0.9:
+        args.update(gpu_memory_utilization=gpu_memory_utilization)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_prompt, max_prompt + 1, num_prompts)
@@ -86,6 +89,7 @@ def run(
         speculative_config=speculative_config,
         tensor_parallel_size=tensor_parallel_size,
         quantization=quantization,
+        gpu_memory_utilization=gpu_memory_utilization,
         data_parallel_size=data_parallel_size,
         **lora_args,
     )

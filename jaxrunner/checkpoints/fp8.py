@@ -2,7 +2,7 @@
 its scales, which multiply the stored values: `weight_scale` (compressed-tensors, RedHatAI's
 releases: one per output channel [out, 1], or one for the tensor) or `weight_scale_inv` (Qwen's
 "fp8": one per block of the config's `weight_block_size`, 128 x 128). Read into the runner's fp8
-format (`models.quantization`: [in, out] with a scale per output column): per channel and per
+format (`models.quantization`: values [out, in] as stored, a scale per output column): per channel and per
 tensor exactly; blocks, whose scales also vary along the input, widened and rounded again per column.
 """
 
@@ -26,7 +26,7 @@ def block_size(path: str) -> tuple[int, int] | None:
 
 
 def read_fp8(tensors, name: str, block: tuple[int, int] | None) -> Quantized:
-    """The fp8 weight `name` and its scales from `tensors` (`loader.SafetensorsFiles`), [in, out]."""
+    """The fp8 weight `name` and its scales from `tensors` (`loader.SafetensorsFiles`)."""
     values = tensors.read(name)
     if values.dtype != ml_dtypes.float8_e4m3fn:
         raise ValueError(f"tensor {name} is {values.dtype}, but the checkpoint's quantization_config says fp8 (e4m3)")
@@ -34,7 +34,7 @@ def read_fp8(tensors, name: str, block: tuple[int, int] | None) -> Quantized:
     if block is None:
         scale = np.asarray(tensors.read(f"{name}_scale"), np.float32).reshape(-1)  # [out] or [1]
         scales = np.broadcast_to(scale, (out,))[None, :]
-        return Quantized(jnp.asarray(values.T), jnp.asarray(scales), jnp.zeros((0,), jnp.float32))
+        return Quantized(jnp.asarray(values), jnp.asarray(scales), jnp.zeros((0,), jnp.float32))
     inv = np.asarray(tensors.read(f"{name}_scale_inv"), np.float32)
     full = np.repeat(np.repeat(inv, block[0], axis=0), block[1], axis=1)[:out, : values.shape[1]]
     return quantize(jnp.asarray(values.astype(np.float32) * full).T, "fp8")

@@ -26,6 +26,7 @@ from jaxrunner.config import ModelConfig
 from jaxrunner.checkpoints.fp8 import block_size, read_fp8
 from jaxrunner.checkpoints.gguf_file import GGUFFile, gguf_path, open_gguf
 from jaxrunner.models.llama import Params, param_structs, quantize_params
+from jaxrunner.models.quantization import join_columns
 from jaxrunner.models.tensors import DENSE, Tensor, each_tensor, layer_tensors, top_tensors
 
 
@@ -73,8 +74,7 @@ class Checkpoint:
             except (SafetensorError, ValueError, KeyError) as e:
                 raise ValueError(f"cannot read tensor {part.name} of checkpoint {self.path!r}: {e}") from None
             groups.setdefault(part.expert, []).append(value)
-        joined = [g[0] if len(g) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=-1), *g)
-                  for g in groups.values()]
+        joined = [g[0] if len(g) == 1 else join_columns(g) for g in groups.values()]
         return joined[0] if None in groups else jax.tree.map(lambda *xs: jnp.stack(xs), *joined)
 
 

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.moe import GroupedMatmul, moe_mlp
-from jaxrunner.models.quantization import matmul
+from jaxrunner.models.quantization import Matmul, matmul
 from jaxrunner.models.tensors import Tensor, layer_tensors, model_tensors, top_tensors
 
 Params = dict
@@ -170,11 +170,13 @@ def forward(
     lora_mask: jax.Array | None = None,
     valid: jax.Array | None = None,
     grouped_matmul: GroupedMatmul = jax.lax.ragged_dot,
+    matmul: Matmul = matmul,
 ) -> tuple[jax.Array, tuple]:
     """Run a packed batch of T tokens; returns the final hidden states [T, H] and the updated KV.
     `lora`: the adapter slots per layer (`models.lora`; () without LoRA), `lora_mask` [T, L] each
     token's slot (`slot_mask`); `valid` [T]: the batch's real tokens (None: all), the rest padding
-    that the MoE MLP routes to no expert; `grouped_matmul`: its experts' matmul (`models.moe`).
+    that the MoE MLP routes to no expert; `grouped_matmul`: its experts' matmul (`models.moe`);
+    `matmul`: the projections' (`quantization.matmul`, with or without its GPU kernel).
 
     `attend[g](q, k, v, kv_layer, window) -> (out [T, Hq, D], kv_layer)` writes this step's keys and
     values into the paged cache of a layer of KV-cache group g and attends over it (over the last
@@ -195,14 +197,15 @@ def forward(
         adapters = lora[i] if lora else {}
         group, member = cfg.kv_slot(i)
         x, new_kv[member] = decoder_layer(p, adapters, x, positions, new_kv[member], attend[group], lora_mask, valid,
-                                          cfg=cfg, window=cfg.layer_window(i), grouped_matmul=grouped_matmul)
+                                          cfg=cfg, window=cfg.layer_window(i), grouped_matmul=grouped_matmul,
+                                          matmul=matmul)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.gemma), tuple(new_kv)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window", "grouped_matmul"))
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "grouped_matmul", "matmul"))
 def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: tuple, attend: Attend,
                   lora_mask: jax.Array | None, valid: jax.Array | None, *, cfg: ModelConfig,
-                  window: int | None, grouped_matmul: GroupedMatmul) -> tuple[jax.Array, tuple]:
+                  window: int | None, grouped_matmul: GroupedMatmul, matmul: Matmul) -> tuple[jax.Array, tuple]:
     """One layer (`lora`: its adapter slots, {} without LoRA; `window`: its attention's sliding
     window). Jitted, so a step's program traces and lowers it once per kind of layer and calls it
     from every layer: lowering runs in Python and, written out per layer (the Pallas kernels into

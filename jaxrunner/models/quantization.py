@@ -13,10 +13,16 @@ Formats (vLLM's `quantization=` names):
   largest value), the dot runs in fp8 accumulating in float32, and both scales multiply its result.
 The activations stay in the runner's dtype for the weight-only formats: their matmul widens the
 weight to it. Scales and offsets are float32, a small part of the bytes.
+
+The values are held K-major, [..., N, K] (as Hugging Face stores a linear weight, and as Hopper's
+tensor cores read an fp8 operand), the scales [..., G, N]. On a GPU, decode-shaped calls (a few
+token rows) of fp8 and int8 run the Mosaic kernel `pallas_kernels.quantized_matmul`, which streams
+the weight near the copy bandwidth where XLA reads it at a fraction of it; the rest run through XLA.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -26,19 +32,23 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import quantization_group
 from jaxrunner.pytree import pytree_dataclass
+from pallas_kernels import quantized_matmul
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 
 
 @pytree_dataclass
 class Quantized:
-    """A quantized weight [..., K, N]: `values` in the format's dtype, `scales` float32 [..., G, N]
-    (G = K / group size; 1 for fp8), `offsets` float32 like `scales` for int4 ([0] for the
-    symmetric formats)."""
+    """A quantized weight W [..., K, N]: `values` [..., N, K] (W transposed) in the format's dtype,
+    `scales` float32 [..., G, N] (G = K / group size; 1 for fp8), `offsets` float32 like `scales`
+    for int4 ([0] for the symmetric formats)."""
 
     values: jax.Array
     scales: jax.Array
     offsets: jax.Array
+
+
+Matmul = Callable[..., jax.Array]  # (x [T, K], w [K, N] dense or `Quantized`) -> [T, N], as `matmul`
 
 
 def storage_dtype(fmt: str) -> jnp.dtype:
@@ -54,9 +64,10 @@ class QuantizedStorage:
 
     def struct(self, shape: tuple[int, ...], dtype: str,
                sharding: jax.sharding.Sharding | None = None) -> Quantized:
-        scales = (*shape[:-2], shape[-2] // quantization_group(shape[-2], self.format), shape[-1])
+        *lead, k, n = shape
+        scales = (*lead, k // quantization_group(k, self.format), n)
         offsets = scales if self.format == "int4" else (0,)
-        return Quantized(jax.ShapeDtypeStruct(shape, storage_dtype(self.format), sharding=sharding),
+        return Quantized(jax.ShapeDtypeStruct((*lead, n, k), storage_dtype(self.format), sharding=sharding),
                          jax.ShapeDtypeStruct(scales, jnp.float32, sharding=sharding),
                          jax.ShapeDtypeStruct(offsets, jnp.float32, sharding=sharding if offsets != (0,) else None))
 
@@ -65,11 +76,13 @@ class QuantizedStorage:
         return quantize(jnp.asarray(values, jnp.float32), self.format)
 
     def spec(self, spec: P, shape: tuple[int, ...]) -> Quantized:
-        """The arrays split like the weight, the scales' groups with K; one group (fp8's, or int8's
-        on a small K) cannot split, so every shard of a weight split along K holds it whole."""
-        one_group = len(spec) >= 2 and quantization_group(shape[-2], self.format) == shape[-2]
+        """The arrays split like the weight (the values' last two axes swapped), the scales' groups
+        with K; one group (fp8's, or int8's on a small K) cannot split, so every shard of a weight
+        split along K holds it whole."""
+        spec = P(*spec, *(None,) * (len(shape) - len(spec)))
+        one_group = quantization_group(shape[-2], self.format) == shape[-2]
         scales = P(*spec[:-2], None, spec[-1]) if one_group else spec
-        return Quantized(spec, scales, scales if self.format == "int4" else P())
+        return Quantized(P(*spec[:-2], spec[-1], spec[-2]), scales, scales if self.format == "int4" else P())
 
 
 def quantize(w: jax.Array, fmt: str) -> Quantized:
@@ -88,23 +101,47 @@ def quantize(w: jax.Array, fmt: str) -> Quantized:
     if fmt != "fp8":
         scaled = jnp.round(scaled)
     values = scaled.astype(storage_dtype(fmt)).reshape(w.shape)
-    return Quantized(values, scales.astype(jnp.float32), offsets.astype(jnp.float32))
+    return Quantized(jnp.swapaxes(values, -1, -2), scales.astype(jnp.float32), offsets.astype(jnp.float32))
 
 
 def dequantize(w: Quantized, dtype) -> jax.Array:
     """The weight in `dtype` [..., K, N]."""
-    *lead, k, n = w.values.shape
+    values = jnp.swapaxes(w.values, -1, -2)
+    *lead, k, n = values.shape
     groups = w.scales.shape[-2]
-    grouped = w.values.astype(jnp.float32).reshape(*lead, groups, k // groups, n) * w.scales[..., None, :]
+    grouped = values.astype(jnp.float32).reshape(*lead, groups, k // groups, n) * w.scales[..., None, :]
     if w.offsets.size:
         grouped = grouped + w.offsets[..., None, :]
-    return grouped.reshape(w.values.shape).astype(dtype)
+    return grouped.reshape(values.shape).astype(dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array | Quantized) -> jax.Array:
-    """x [T, K] @ w [K, N] in x's dtype, whatever form w is held in."""
+def map_columns(f: Callable[[jax.Array], jax.Array], w: jax.Array | Quantized) -> jax.Array | Quantized:
+    """`f`, which regroups an array's last axis (a weight's output columns), applied to a weight
+    dense or quantized: to its values' N axis and to its scales' and offsets' columns alike."""
+    if not isinstance(w, Quantized):
+        return f(w)
+    values = jnp.swapaxes(f(jnp.swapaxes(w.values, -1, -2)), -1, -2)
+    return Quantized(values, f(w.scales), f(w.offsets) if w.offsets.size else w.offsets)
+
+
+def join_columns(parts: list) -> jax.Array | Quantized:
+    """Weights side by side along their output columns (q|k|v, gate|up), dense or quantized alike."""
+    if not isinstance(parts[0], Quantized):
+        return jnp.concatenate(parts, axis=-1)
+    offsets = parts[0].offsets
+    return Quantized(jnp.concatenate([p.values for p in parts], axis=-2),
+                     jnp.concatenate([p.scales for p in parts], axis=-1),
+                     jnp.concatenate([p.offsets for p in parts], axis=-1) if offsets.size else offsets)
+
+
+def matmul(x: jax.Array, w: jax.Array | Quantized, *, num_sms: int = 0) -> jax.Array:
+    """x [T, K] @ w [K, N] in x's dtype, whatever form w is held in. `num_sms` > 0 (a GPU's, set by
+    the runner with the Pallas kernels): the calls the Mosaic kernel supports run it, unless the
+    weight is split over devices (XLA's partitioner cannot split a kernel)."""
     if not isinstance(w, Quantized):
         return x @ w
+    if num_sms and _unsplit() and quantized_matmul.supported(x.shape[0], w.values, w.scales):
+        return quantized_matmul.quantized_matmul(x, w.values, w.scales, num_sms=num_sms)
     if w.values.dtype != jnp.float8_e4m3fn:
         return x @ dequantize(w, x.dtype)
     xf = x.astype(jnp.float32)
@@ -112,5 +149,11 @@ def matmul(x: jax.Array, w: jax.Array | Quantized) -> jax.Array:
     x_scales = jnp.where(x_scales > 0, x_scales, 1.0)
     xq = (xf / x_scales).astype(jnp.float8_e4m3fn)
     # Precision stated: an fp32 model's "highest" (`step.matmul_precision`) means nothing for e4m3 operands.
-    out = jnp.dot(xq, w.values, preferred_element_type=jnp.float32, precision=jax.lax.Precision.DEFAULT)
+    out = jax.lax.dot_general(xq, w.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                              precision=jax.lax.Precision.DEFAULT)
     return (out * x_scales * w.scales[0]).astype(x.dtype)
+
+
+def _unsplit() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1

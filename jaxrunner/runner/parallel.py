@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.llama import MODEL_AXIS, Params
+from jaxrunner.models.quantization import map_columns
 
 
 def make_mesh(tp: int, replica: int = 0) -> Mesh:
@@ -66,11 +67,8 @@ def shard_layout(params: Params, model: ModelConfig, tp: int) -> Params:
     def gate_up(w: jax.Array) -> jax.Array:
         return by_shard(*jnp.split(w, 2, axis=-1))
 
-    def columns(regroup, w):  # a quantized weight's values, scales and offsets alike: each ends in its columns
-        return jax.tree.map(lambda x: regroup(x) if x.size else x, w)
-
     def layer(p: dict) -> dict:
-        out = dict(p, wqkv=columns(qkv, p["wqkv"]), w_gate_up=columns(gate_up, p["w_gate_up"]))
+        out = dict(p, wqkv=map_columns(qkv, p["wqkv"]), w_gate_up=map_columns(gate_up, p["w_gate_up"]))
         if "bqkv" in p:
             out["bqkv"] = qkv(p["bqkv"])
         return out

@@ -30,9 +30,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import Kernels, ModelConfig
+from jaxrunner.models import quantization
 from jaxrunner.models.attention import AttentionMetadata, paged_attend
 from jaxrunner.models.llama import MODEL_AXIS, Params, compute_logits, forward, slot_mask
 from jaxrunner.models.moe import GroupedMatmul
+from jaxrunner.models.quantization import Matmul
 from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.runner.state import RunnerState
 from jaxrunner.sampling import SamplerFlags, SamplerOutput, SamplingMetadata, compute_logprobs, sample
@@ -127,6 +129,15 @@ def moe_matmul(kernels: Kernels, model: ModelConfig) -> GroupedMatmul:
     return jax.lax.ragged_dot
 
 
+@functools.cache
+def projection_matmul(kernels: Kernels) -> Matmul:
+    """The layers' projections: with the Pallas kernels on a GPU, quantized weights' decode-shaped
+    calls run the Mosaic kernel (`quantization.matmul`). Cached, as `moe_matmul`."""
+    if kernels.pallas and not kernels.interpret:
+        return functools.partial(quantization.matmul, num_sms=kernels.num_sms)
+    return quantization.matmul
+
+
 def backbone(
     params: Params, model: ModelConfig, kv: tuple, state: RunnerState, inp: TokenInputs, ids: jax.Array,
     kernels: Kernels, uniform_decode: bool, queries_per_seq: int, kv_scales: tuple[float, float], lora: tuple = (),
@@ -152,7 +163,7 @@ def backbone(
     mask = slot_mask(inp.lora_slots, max_loras, params["embed"].dtype) if lora else None
     with jax.default_matmul_precision(matmul_precision(params)):
         return forward(params, model, ids, inp.positions, kv, attend, lora, mask, inp.token_rows < num_rows,
-                       moe_matmul(kernels, model))
+                       moe_matmul(kernels, model), projection_matmul(kernels))
 
 
 def forward_step(

@@ -1,0 +1,127 @@
+"""Decode-shaped matmuls over quantized weights, as a Mosaic GPU (Hopper) kernel.
+
+A decode step multiplies a few token rows by every weight once, so its matmuls are bound by the
+bytes of the weights, and XLA reads a quantized weight far below the copy bandwidth: it widens the
+whole weight to bf16 in memory before its dot (int8), or runs cuBLAS's fp8 dot at shapes it is not
+tuned for (docs/benchmarks.md). Here each program streams one tile of 64 weight rows (output
+columns) through shared memory with TMA, several steps in flight, and feeds the tensor cores with
+the tokens as the narrow side of the product: out^T [N, M] = W [N, K] @ x^T [K, M], so M (the token
+bucket, 8 to 64 rows) is the wgmma's N dimension and no tile is padded to 64 tokens.
+
+- fp8 (e4m3 weights, one scale per output column): the tokens are scaled to e4m3 per row first and
+  both operands go to the tensor cores from shared memory as they are; both scales multiply the
+  float32 result.
+- int8 (groups of `group` along K, a scale per group and output column): a step is one group; its
+  tile is loaded to registers, widened to bf16 and multiplied by the group's scales there, then
+  multiplied with the tokens' bf16 tile.
+
+The weight is held K-major ([N, K], as Hugging Face stores a linear weight and as the tensor cores
+read an fp8 operand); scales are [G, N]. K is cut into `splits` ranges so that narrow layers still
+occupy every SM; each range writes float32 partial sums, added by XLA in the epilogue (with the
+scales and the transpose back to [M, N], fused into one pass over the small output).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import dtypes
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+TILE_N = 64  # weight rows per program: a warpgroup's wgmma M
+STAGES = 4  # pipeline steps in flight per program
+MAX_ROWS = 64  # token rows the kernel takes; more go to XLA (compute, not bytes, bounds them there)
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
+
+
+def supported(num_rows: int, values: jax.Array, scales: jax.Array) -> bool:
+    """Whether the kernel takes x [num_rows, K] @ values [N, K] (int8 in groups, or fp8 per column)."""
+    n, k = values.shape
+    groups = scales.shape[0]
+    if values.dtype == jnp.float8_e4m3fn:
+        step_ok = groups == 1 and k % 64 == 0
+    else:
+        step_ok = values.dtype == jnp.int8 and (k // groups) in (64, 128, 256)
+    return 8 <= num_rows <= MAX_ROWS and num_rows % 8 == 0 and n % TILE_N == 0 and step_ok
+
+
+def split_count(n: int, steps: int, num_sms: int) -> int:
+    """K ranges: the fewest (a power of two, at least 2) that give two programs per SM, each range
+    keeping a full pipeline's steps."""
+    splits = 2
+    while (n // TILE_N) * splits < 2 * num_sms and steps % (2 * splits) == 0 and steps // (2 * splits) >= STAGES:
+        splits *= 2
+    return splits if steps % splits == 0 and steps // splits >= 1 else 1
+
+
+def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, num_sms: int) -> jax.Array:
+    """x [M, K] @ (values [N, K] scaled by scales [G, N])^T in x's dtype, [M, N]."""
+    if not supported(x.shape[0], values, scales):
+        raise ValueError(f"quantized_matmul cannot run x {x.shape} by {values.dtype} {values.shape} with "
+                         f"{scales.shape[0]} scale groups: see `supported`")
+    if values.dtype == jnp.float8_e4m3fn:
+        xf = x.astype(jnp.float32)
+        x_scales = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / FP8_MAX
+        x_scales = jnp.where(x_scales > 0, x_scales, 1.0)
+        step = 128 if values.shape[1] % 128 == 0 else 64  # K per pipeline step: one swizzled row of 128 bytes or 64
+        partial = _partial_sums((xf / x_scales).astype(jnp.float8_e4m3fn), values, scales, step, num_sms)
+        return (partial.sum(0).T * x_scales * scales[0]).astype(x.dtype)
+    step = values.shape[1] // scales.shape[0]
+    return _partial_sums(x.astype(jnp.bfloat16), values, scales, step, num_sms).sum(0).T.astype(x.dtype)
+
+
+def _transforms(cols: int, dtype) -> tuple:
+    """Shared-memory tiling and swizzle for rows of `cols` elements, as TMA writes and wgmma reads them."""
+    bits = dtypes.itemsize_bits(dtype)
+    swizzle = plgpu.find_swizzle(cols * bits, "quantized_matmul")
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+
+
+def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array, step: int, num_sms: int) -> jax.Array:
+    """float32 [splits, N, M]: each K range's W @ x^T, int8 tiles scaled per group as they widen."""
+    m, k = x.shape
+    n = values.shape[0]
+    steps = k // step
+    splits = split_count(n, steps, num_sms)
+    per_split = steps // splits
+    widen = values.dtype != x.dtype  # int8: to bf16 in registers; fp8 goes to the tensor cores as it is
+
+    def kernel(x_gmem, v_gmem, s_gmem, out_gmem, out_smem):
+        rows = pl.ds(lax.axis_index("n") * TILE_N, TILE_N)
+        split = lax.axis_index("split")
+        cols = pl.ds(split * per_split * step, per_split * step)
+
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, m), jnp.float32))
+        def _(acc):
+            def body(_, v_smem, x_smem, *s_smem):
+                w = v_smem
+                if widen:
+                    w = v_smem[...].astype(jnp.bfloat16) * s_smem[0][0].astype(jnp.bfloat16)[:, None]
+                plgpu.wgmma(acc, w, x_smem.T)
+                plgpu.wgmma_wait(0)
+
+            specs = [plgpu.BlockSpec((TILE_N, step), lambda j: (0, j), transforms=_transforms(step, values.dtype)),
+                     plgpu.BlockSpec((m, step), lambda j: (0, j), transforms=_transforms(step, x.dtype))]
+            refs = [v_gmem.at[rows, cols], x_gmem.at[:, cols]]
+            if widen:
+                specs.append(plgpu.BlockSpec((1, TILE_N), lambda j: (j, 0)))
+                refs.append(s_gmem.at[pl.ds(split * per_split, per_split), rows])
+            plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs, max_concurrent_steps=min(STAGES, per_split))(*refs)
+            out_smem[...] = acc[...]
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
+        grid=(n // TILE_N, splits),
+        grid_names=("n", "split"),
+        scratch_types=dict(out_smem=plgpu.SMEM((TILE_N, m), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(x, values, scales)

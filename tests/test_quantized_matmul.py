@@ -1,0 +1,112 @@
+"""The Mosaic GPU kernel for decode-shaped quantized matmuls (`pallas_kernels/quantized_matmul.py`).
+
+Without a GPU: the kernel lowers for Hopper (Mosaic GPU lowers on any machine; only its PTX needs the
+GPU), and `quantization.matmul` sends decode-shaped fp8 and int8 calls to it and the rest to XLA.
+On the H200 (`-m gpu`): the kernel against a numpy reference on fresh random weights, and a
+quantized model whose programs run it scoring a prompt as the same model does through XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxrunner import LLM, SamplingParams, platform
+from jaxrunner.models import quantization
+from jaxrunner.models.quantization import quantize
+from pallas_kernels import quantized_matmul as kernel
+
+DATA = Path(__file__).parent / "data"
+CASES = [  # (format, K, N)
+    ("fp8", 4096, 6144), ("fp8", 192, 128),
+    ("int8", 4096, 6144), ("int8", 14336, 256), ("int8", 64, 128),
+]
+
+
+def _lowered(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("fmt,k,n", CASES)
+def test_the_kernel_lowers_for_hopper(fmt, k, n):
+    w = jax.eval_shape(functools.partial(quantize, fmt=fmt), jax.ShapeDtypeStruct((k, n), jnp.float32))
+    x = jax.ShapeDtypeStruct((16, k), jnp.bfloat16)
+    assert kernel.supported(16, w.values, w.scales)
+    text = _lowered(functools.partial(kernel.quantized_matmul, num_sms=132), x, w.values, w.scales)
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("rows,fmt,num_sms,runs", [
+    (16, "fp8", 132, True), (64, "int8", 132, True),
+    (128, "fp8", 132, False),  # a prefill's rows: XLA, bound by compute there
+    (16, "int4", 132, False),  # no kernel for int4 yet
+    (16, "int8", 0, False),  # no GPU kernels (the references, or a CPU)
+])
+def test_decode_shaped_calls_take_the_kernel(rows, fmt, num_sms, runs):
+    w = jax.eval_shape(functools.partial(quantize, fmt=fmt), jax.ShapeDtypeStruct((256, 128), jnp.float32))
+    x = jax.ShapeDtypeStruct((rows, 256), jnp.bfloat16)
+    text = _lowered(functools.partial(quantization.matmul, num_sms=num_sms), x, w)
+    assert ("mosaic_gpu" in text) == runs
+
+
+def test_split_count_fills_the_gpu():
+    assert kernel.split_count(6144, 32, 132) == 4  # 96 tiles of 64 columns: 4 K ranges of 8 steps
+    assert kernel.split_count(28672, 32, 132) == 2  # 448 tiles already fill 132 SMs
+    assert kernel.split_count(4096, 8, 132) == 2  # a short K keeps whole pipelines
+    assert kernel.split_count(128, 1, 132) == 1
+
+
+def _reference(x: np.ndarray, values: np.ndarray, scales: np.ndarray, fp8: bool) -> np.ndarray:
+    """float32 x @ W in numpy: W from the values [N, K] and scales [G, N]; fp8 rounds x per row to e4m3."""
+    n, k = values.shape
+    w = values.astype(np.float32).reshape(n, scales.shape[0], -1) * scales.T[:, :, None]
+    if fp8:
+        scale = np.abs(x).max(axis=1, keepdims=True) / 448
+        x = (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+    return x @ w.reshape(n, k).T
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 16, 64])
+@pytest.mark.parametrize("fmt,k,n", CASES)
+def test_the_kernel_matches_the_reference(fmt, k, n, rows):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(k + n + rows)
+    w = quantize(jnp.asarray(rng.standard_normal((k, n)) * rng.uniform(0.01, 1, (1, n)), jnp.float32), fmt)
+    x = (rng.standard_normal((rows, k)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # the kernel takes bf16 tokens
+    got = kernel.quantized_matmul(jnp.asarray(x, jnp.bfloat16), w.values, w.scales, num_sms=platform.num_sms())
+    want = _reference(x, np.asarray(w.values.astype(jnp.float32)), np.asarray(w.scales), fmt == "fp8")
+    # bf16 output; int8 also rounds each scaled weight to bf16 before the tensor cores
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_a_quantized_model_runs_the_kernel_and_scores_as_through_xla(fmt, monkeypatch):
+    """tiny-llama held in `fmt`: its prompt logprobs with the kernel in its programs (the calls
+    counted as they trace) against the same model's through XLA alone (the kernel refused)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    prompt = np.load(DATA / "goldens" / "tiny-llama.npz")["prompt_0"].tolist()
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    def logprobs() -> np.ndarray:
+        with LLM(str(DATA / "models" / "tiny-llama"), quantization=fmt, dtype="bfloat16", skip_tokenizer_init=True,
+                 max_model_len=128, max_num_seqs=2, num_gpu_blocks_override=32) as llm:
+            out = llm.generate([prompt], score, use_tqdm=False)[0]
+        return np.array([d[t].logprob for t, d in zip(prompt[1:], out.prompt_logprobs[1:])])
+
+    calls, traced = [], kernel.quantized_matmul
+    monkeypatch.setattr(kernel, "quantized_matmul", lambda *a, **k: calls.append(a[1].shape) or traced(*a, **k))
+    with_kernel = logprobs()
+    assert calls, "no projection ran the kernel"
+    monkeypatch.setattr(kernel, "supported", lambda *a: False)
+    np.testing.assert_allclose(with_kernel, logprobs(), atol=0.1)
