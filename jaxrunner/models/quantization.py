@@ -142,6 +142,9 @@ def matmul(x: jax.Array, w: jax.Array | Quantized, *, num_sms: int = 0) -> jax.A
         return x @ w
     if num_sms and _unsplit() and quantized_matmul.supported(x.shape[0], w.values, w.scales):
         return quantized_matmul.quantized_matmul(x, w.values, w.scales, num_sms=num_sms)
+    # Widened only once its input exists: else XLA widens every layer's weight up front, all of
+    # them live at once (a step's temporaries grew by the model's size in float32).
+    x, w = jax.lax.optimization_barrier((x, w))
     if w.values.dtype != jnp.float8_e4m3fn:
         return x @ dequantize(w, x.dtype)
     xf = x.astype(jnp.float32)
