@@ -13,14 +13,14 @@
 #   bash benchmarks/serving.sh serve      # W2's requests through `jaxrunner serve` (HTTP, streamed), then W2 offline (needs fastapi, uvicorn, openai)
 #   bash benchmarks/serving.sh families   # Gemma, MoE and KV-cache groups on the GPU: parity, the engine's groups, fp8's logit error
 #   bash benchmarks/serving.sh moe        # the Qwen3-30B-A3B shape's decode at batch 1 and 64, each with the HF peer
-#   bash benchmarks/serving.sh quant      # W1 in bf16 (with the HF peer), fp8, int8 and int4; W2 in bf16 and fp8
+#   bash benchmarks/serving.sh quant      # W1 in bf16 (with the HF peer), fp8, int8 and int4; W2 in bf16 and fp8; the kernel's matmuls
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 case "$1" in
   tests)
     python3 -c 'from jaxrunner import platform; import jax; print(jax.devices()[0].device_kind, "SMs:", platform.num_sms())'
     timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_parity.py tests/test_ragged_paged_attention_gpu.py \
-      tests/test_sampler.py -k "not matches_reference" 2>&1 | tail -5
+      tests/test_sampler.py tests/test_quantized_matmul.py -k "not matches_reference" 2>&1 | tail -5
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_warmup.py tests/test_kv_sizing.py tests/test_hf_parity.py \
       -k "warmed_up or directly or peak or pallas" 2>&1 | tail -5 ;;
   latency)
@@ -82,11 +82,15 @@ for _ in range(400):
     done
     for q in "" "--quantization fp8"; do
       timeout 100 python3 -m jaxrunner.cli bench throughput --no-peer $q 2>&1 | tr '\r' '\n' | grep jaxrunner
+    done
+    for q in fp8 int8; do  # the decode projections through the Mosaic kernel, then through XLA
+      timeout 60 python3 benchmarks/matmul.py --quantization $q
+      timeout 60 python3 benchmarks/matmul.py --quantization $q --xla
     done ;;
   moe)  # batch 64: 64 prompts of 128 tokens, 128 new each (the prefill is in the time)
     timeout 280 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --json "$OUT/moe_b1.json" 2>&1 | tail -6
     timeout 300 python3 -m jaxrunner.cli bench throughput --shape qwen3-30b-a3b --num-prompts 64 --min-prompt 128 \
       --max-prompt 128 --new 128 --json "$OUT/moe_b64.json" 2>&1 | tr '\r' '\n' | tail -6 ;;
   *)
-    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|quant" >&2; exit 2 ;;
 esac
