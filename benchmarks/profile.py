@@ -79,7 +79,7 @@ def pipelined(runner: Runner, state, scheds: list) -> tuple[object, float]:
 
 def floor_ms(runner: Runner, batch: int, context: int) -> float:
     """Weights + KV bytes over the copy bandwidth, or the matmul FLOPs at 790 TFLOP/s, whichever is larger."""
-    weights = weight_bytes_per_step(runner.params)
+    weights = weight_bytes_per_step(runner.params, batch, runner.model_config.num_experts_per_tok)
     per_token_kv = kv_cache_bytes(runner.model_config, RunnerConfig(num_blocks=1, block_size=1, dtype=runner.config.dtype))
     flops = 2 * weights / runner.params["embed"].dtype.itemsize * batch
     return max((weights + batch * context * per_token_kv) / COPY_BANDWIDTH, flops / 790e12) * 1e3

@@ -529,9 +529,6 @@ class RunnerConfig:
                              f"draft a window no wider than the target's; the target has {len(model.kv_cache_groups)} "
                              f"groups (window {model.sliding_window}), the draft {len(draft.kv_cache_groups)} "
                              f"(window {draft.sliding_window}); use ngram speculation for this model")
-        if self.lora.enabled and model.num_experts:
-            raise ValueError(f"LoRA adapters on Mixture-of-Experts models ({model.architecture}) are not "
-                             "supported yet; run without enable_lora")
         if self.tensor_parallel_size > 1:
             _check_split(model, self.tensor_parallel_size)
 

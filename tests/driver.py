@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from jaxrunner import CachedRequestData, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
+from jaxrunner import CachedRequestData, LoRARequest, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
 from jaxrunner.models.attention import AttentionMetadata, paged_attend
 from jaxrunner.config import Kernels
 from jaxrunner.models.llama import compute_logits, forward
@@ -43,10 +43,11 @@ def drive(
     preempt: dict[int, list[int]] | None = None,
     seed: int = 0,
     outputs: list | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> list[list[int]]:
     """Generate `max_new` tokens for each prompt; request i arrives at step i * stagger.
 
-    `chunk` caps the tokens a request gets per step (chunked prefill); `preempt` maps a step to the
+    `lora_request`: the adapter every request runs with (None: the base model). `chunk` caps the tokens a request gets per step (chunked prefill); `preempt` maps a step to the
     request indices preempted at its start (they resume as new requests with prompt + outputs).
     Every RunnerOutput is appended to `outputs` when given.
     """
@@ -84,7 +85,7 @@ def drive(
                 cached.num_computed_tokens.append(r.computed)
             else:
                 new.append(NewRequestData(rid, r.prompt, tuple(map(list, r.blocks)), r.computed, r.params,
-                                          prefill_token_ids=known))
+                                          prefill_token_ids=known, lora_request=lora_request))
                 r.running = True
             scheduled[rid] = n
         sched = SchedulerOutput(

@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import pytest
 from transformers import AutoConfig
 
+from jaxrunner.bench.floors import weight_bytes_per_step
 from jaxrunner.bench.latency import hf_config
 from jaxrunner.cli import main
 from jaxrunner.config import ModelConfig
-from jaxrunner.checkpoints.dummy import SHAPES
+from jaxrunner.checkpoints.dummy import SHAPES, random_params
 
 
 @pytest.fixture(autouse=True)
@@ -91,3 +93,17 @@ def test_peer_on_the_tiny_shape():
     assert latency["decode_ms_per_step"] > 0 and latency["ttft_ms"] > 0
     throughput = hf_peer.measure(dict(spec, workload="throughput", prompts=[[1, 2, 3], [4, 5, 6, 7, 8]]))
     assert throughput["output_tokens"] == 2 * 4 and throughput["tokens_per_s"] > 0
+
+
+def test_the_floor_counts_the_experts_a_step_reads():
+    """The Qwen3-30B-A3B shape's weights as structs: at batch 1 a step reads 8 of 128 experts per
+    layer, so its floor is about the 3.3B active parameters' bytes, not the 30B of every expert; at
+    a large batch nearly every expert is read."""
+    cfg = SHAPES["qwen3-30b-a3b"]
+    params = jax.eval_shape(lambda: random_params(cfg, "bfloat16", 0))
+    every = sum(x.size * 2 for x in jax.tree.leaves(params)) - (0 if cfg.tie_word_embeddings else params["embed"].size * 2)
+    one = weight_bytes_per_step(params, 1, cfg.num_experts_per_tok)
+    assert 6.0e9 < one < 7.0e9 < every  # 3.3B active parameters in bf16
+    experts = sum(p[name].size * 2 for p in params["layers"] for name in ("experts_gate_up", "experts_down"))
+    assert one == pytest.approx(every - experts * (1 - 8 / 128), rel=1e-9)
+    assert weight_bytes_per_step(params, 4096, cfg.num_experts_per_tok) == pytest.approx(every, rel=1e-6)

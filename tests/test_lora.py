@@ -16,10 +16,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from driver import drive
+
 from jaxrunner import LLM, LoRARequest, Runner, RunnerConfig, SamplingParams
+from jaxrunner.bench.throughput import random_adapter
 from jaxrunner.config import LoraConfig
 from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.lora.adapters import Adapters
+from jaxrunner.lora.slots import projection_parts
 from jaxrunner.models.llama import lora_delta, slot_mask
 from jaxrunner.step_io import NewRequestData, SchedulerOutput
 
@@ -300,3 +304,35 @@ def test_multistep_decode_and_drafts_keep_each_adapters_tokens(mode):
     assert [o.outputs[0].token_ids for o in outs] == want
     if "speculative_config" in mode:
         assert stats.spec_decoding["num_accepted_tokens"] > 0
+
+
+def test_an_adapter_on_a_moe_models_attention_equals_its_merged_weights(tmp_path):
+    """tiny-qwen3-moe with a random adapter on q, k, v and o: its greedy tokens equal the base
+    model's with the adapter merged into the weights (W + A B, as PEFT merges), and differ from the
+    base model's; an adapter on the MLP, whose experts take none, is refused by name."""
+    path = DATA / "models" / "tiny-qwen3-moe"
+    cfg, params = load_model(path, "float32")
+    adapter_path = random_adapter(str(tmp_path / "attention"), cfg, 8, seed=3)
+    config = LoraConfig(max_loras=1, max_lora_rank=8)
+    parts = Adapters(cfg, config).add(lora("attention", 1, Path(adapter_path))).parts
+    assert {name for _, name, _ in parts} == {"wqkv", "wo"}
+    merged = [dict(layer) for layer in params["layers"]]
+    for (i, name, part), (a, b) in parts.items():
+        start = sum(projection_parts(cfg)[name][1][:part])
+        merged[i][name] = merged[i][name].at[:, start : start + b.shape[1]].add(jnp.asarray(a @ b))
+    runner = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8, num_blocks=48)
+    prompt_ids = [[5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
+    adapted = Runner(cfg, params, RunnerConfig(**runner, lora=config))
+    with_adapter = drive(adapted, prompt_ids, 10, lora_request=lora("attention", 1, Path(adapter_path)))
+    assert with_adapter == drive(Runner(cfg, dict(params, layers=tuple(merged)), RunnerConfig(**runner)), prompt_ids, 10)
+    assert with_adapter != drive(Runner(cfg, params, RunnerConfig(**runner)), prompt_ids, 10)
+
+    mlp = tmp_path / "mlp"
+    mlp.mkdir()
+    (mlp / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["gate_proj"]}))
+    prefix = "base_model.model.model.layers.0.mlp.gate_proj"
+    save_file({f"{prefix}.lora_A.weight": np.zeros((4, cfg.hidden_size), np.float32),
+               f"{prefix}.lora_B.weight": np.zeros((cfg.intermediate_size, 4), np.float32)},
+              str(mlp / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="'gate_proj' is not in this model .*Mixture of Experts.*q_proj"):
+        Adapters(cfg, config).add(lora("mlp", 2, mlp))

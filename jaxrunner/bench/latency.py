@@ -147,7 +147,7 @@ def run(
     ttft_ms = [first * 1e3 for first, _, _ in runs[1:]]
     step_ms = [step * 1e3 for _, step, _ in runs[1:]]
     ours = statistics.median(step_ms)
-    floor = weight_bytes_per_step(engine.runner.params) / COPY_BANDWIDTH * 1e3
+    floor = weight_bytes_per_step(engine.runner.params, 1, engine.runner.model_config.num_experts_per_tok) / COPY_BANDWIDTH * 1e3
     result = {
         "workload": "W1 latency",
         "device": jax.devices()[0].device_kind,

@@ -128,12 +128,14 @@ def run(
 
 
 def random_adapter(path: str, model: ModelConfig, rank: int, seed: int) -> str:
-    """A PEFT LoRA adapter of `rank` on every projection, random weights (std 0.02), saved at `path`."""
+    """A PEFT LoRA adapter of `rank` on every projection the model has (a Mixture-of-Experts model's
+    attention), random weights (std 0.02), saved at `path`."""
     rng = np.random.default_rng(seed)
     parts = projection_parts(model)
+    modules = {module: target for module, target in MODULES.items() if target[0] in parts}
     tensors = {}
     for layer in range(model.num_layers):
-        for module, (name, part) in MODULES.items():
+        for module, (name, part) in modules.items():
             width, out = parts[name][0], parts[name][1][part]
             block = "self_attn" if name in ("wqkv", "wo") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
@@ -142,7 +144,7 @@ def random_adapter(path: str, model: ModelConfig, rank: int, seed: int) -> str:
     os.makedirs(path)
     save_file(tensors, os.path.join(path, WEIGHTS_FILE))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES)}, f)
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules)}, f)
     return path
 
 

@@ -128,6 +128,10 @@ def read_adapter(request: LoRARequest, model: ModelConfig, lora: LoraConfig) -> 
         if set(names) != {"A", "B"}:
             bad(f"layer {layer} {module}: lora_A and lora_B go together, found only lora_{''.join(names)}")
         name, part = MODULES[module]
+        if name not in projections:  # a Mixture-of-Experts MLP: its experts take no adapter
+            targets = [m for m, (n, _) in MODULES.items() if n in projections]
+            bad(f"target module {module!r} is not in this model ({model.architecture}: its MLP is a Mixture of "
+                f"Experts, whose experts take no adapter); supported target modules: {', '.join(targets)}")
         width, out = projections[name][0], projections[name][1][part]
         for ab, want in (("A", (rank, width)), ("B", (out, rank))):
             if shapes[names[ab]] != want:
