@@ -556,12 +556,9 @@ def _draft_fits(target: ModelConfig, draft: ModelConfig) -> bool:
 
 def _check_split(model: ModelConfig, tp: int) -> None:
     """One ValueError naming every size of the model that `tp` shards cannot split (each shard holds
-    whole heads: `runner.parallel`)."""
-    if model.num_experts:
-        raise ValueError(f"tensor parallelism does not split Mixture-of-Experts models yet ({model.architecture}); "
-                         "run with tensor_parallel_size=1 (data parallelism works)")
-    problems = [f"{name}={size}" for name, size in (("num_attention_heads", model.num_heads),
-                                                     ("intermediate_size", model.intermediate_size)) if size % tp]
+    whole heads, and an MoE model's whole experts: `runner.parallel`)."""
+    split = ("num_local_experts", model.num_experts) if model.num_experts else ("intermediate_size", model.intermediate_size)
+    problems = [f"{name}={size}" for name, size in (("num_attention_heads", model.num_heads), split) if size % tp]
     kv = model.num_kv_heads
     if kv % tp if kv >= tp else tp % kv:
         problems.append(f"num_key_value_heads={kv} (neither a multiple nor a divisor of {tp})")

@@ -1,7 +1,6 @@
-"""The Mixture-of-Experts MLP against a loop over experts, on fresh random weights, and what MoE
-models refuse."""
+"""The Mixture-of-Experts MLP against a loop over experts, on fresh random weights, and the MoE
+configs read (expert parallelism: tests/test_tensor_parallel.py; LoRA: tests/test_lora.py)."""
 
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -9,9 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrunner import Runner, RunnerConfig
 from jaxrunner.config import ModelConfig
-from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.models.moe import moe_mlp, route
 
 MODELS = Path(__file__).parent / "data" / "models"
@@ -63,11 +60,7 @@ def test_router_weights():
     np.testing.assert_allclose(np.asarray(raw), np.asarray(jax.nn.softmax(logits)[:, [3, 2]]), rtol=1e-6)
 
 
-def test_moe_models_refuse_what_they_do_not_support(tmp_path):
-    cfg, params = load_model(MODELS / "tiny-mixtral", "float32")
-    base = RunnerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, block_size=8, num_blocks=32)
-    with pytest.raises(ValueError, match="tensor parallelism does not split Mixture-of-Experts"):
-        Runner(cfg, params, dataclasses.replace(base, tensor_parallel_size=2))
+def test_qwen3_moe_config_and_its_dense_layers_refused(tmp_path):
     qwen = ModelConfig.from_hf(MODELS / "tiny-qwen3-moe")
     assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.intermediate_size, qwen.qk_norm) == (8, 2, 32, True)
     config = (MODELS / "tiny-qwen3-moe" / "config.json").read_text().replace('"mlp_only_layers": []', '"mlp_only_layers": [1]')

@@ -1,7 +1,7 @@
 """Tensor parallelism on four CPU devices (tests/conftest.py): greedy tokens at TP 2 and 4 equal to
 Hugging Face's (TP 1's) on the tiny checkpoints, GQA with fewer KV heads than devices included; a
 vocabulary the split does not divide, padded; the params and the cache really split; the compiled
-step's collectives; sizes that cannot split; two processes of two devices each running as one mesh."""
+step's collectives; MoE models' experts split by expert; sizes that cannot split; two processes of two devices each running as one mesh."""
 
 from __future__ import annotations
 
@@ -42,12 +42,13 @@ def collectives(text: str) -> dict[str, int]:
                                                                               "collective-permute", "reduce-scatter")}
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-qwen3-moe", "tiny-mixtral"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_greedy_tokens_equal_tp1(name, tp):
     """tiny-llama has 2 KV heads (repeated at TP 4), tiny-qwen2 one (q/k/v biases), tiny-qwen3 q/k
     norms and a tied head, tiny-gemma3 one KV head, Gemma's extra norms and a sliding and a global
-    layer; chunked prefill and staggered arrivals as elsewhere."""
+    layer; tiny-qwen3-moe (8 experts) and tiny-mixtral (4) split their experts by expert; chunked
+    prefill and staggered arrivals as elsewhere."""
     cfg, params = load_model(DATA / "models" / name, "float32")
     runner = Runner(cfg, params, RunnerConfig(**CONFIG, tensor_parallel_size=tp))
     prompts, want = goldens(name)
@@ -161,6 +162,22 @@ def test_the_step_all_reduces_twice_a_layer_and_never_gathers_weights():
     assert re.search(rf"= f32\[4,{cfg.vocab_size}\]\S* all-gather\(", text)
 
 
+def test_moe_splits_its_experts_and_all_reduces_twice_a_layer():
+    """Expert parallelism in the gather-compute-reduce form: each device holds a quarter of
+    tiny-qwen3-moe's experts (the router whole), and the MoE MLP ends in one all-reduce, as the dense
+    MLP's down projection does; no weight is gathered."""
+    cfg, params = load_model(DATA / "models" / "tiny-qwen3-moe", "float32")
+    runner = Runner(cfg, params, RunnerConfig(**CONFIG, tensor_parallel_size=4))
+    layer = runner.params["layers"][0]
+    for name in ("experts_gate_up", "experts_down"):
+        assert layer[name].sharding.spec == P("model", None, None)
+        assert {s.data.shape[0] for s in layer[name].addressable_shards} == {cfg.num_experts // 4}
+    assert layer["router"].sharding.spec == P()
+    forward = collectives(runner.compile_forward(16).as_text())
+    assert forward == {"all-reduce": 2 * cfg.num_layers + 1, "all-gather": 0, "all-to-all": 0,
+                       "collective-permute": 0, "reduce-scatter": 0}
+
+
 def test_sizes_that_cannot_split_fail_at_start_naming_them():
     cfg, params = load_model(DATA / "models" / "tiny-llama", "float32")
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's num_attention_heads=4, "
@@ -168,6 +185,9 @@ def test_sizes_that_cannot_split_fail_at_start_naming_them():
         Runner(cfg, params, RunnerConfig(**CONFIG, tensor_parallel_size=3))
     with pytest.raises(ValueError, match="tensor_parallel_size=8 needs 8 devices, but 4 CPU device"):
         Runner(cfg, params, RunnerConfig(**CONFIG, tensor_parallel_size=8))
+    moe, moe_params = load_model(DATA / "models" / "tiny-mixtral", "float32")
+    with pytest.raises(ValueError, match=r"does not divide the model's num_attention_heads=4, num_local_experts=4,"):
+        Runner(moe, moe_params, RunnerConfig(**CONFIG, tensor_parallel_size=3))
 
 
 @pytest.mark.parametrize("mode", [dict(num_scheduler_steps=4),

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.moe import GroupedMatmul, moe_mlp
 from jaxrunner.models.quantization import Matmul, matmul
-from jaxrunner.models.tensors import Tensor, layer_tensors, model_tensors, top_tensors
+from jaxrunner.models.tensors import MODEL_AXIS, Tensor, layer_tensors, model_tensors, top_tensors
 
 Params = dict
 
@@ -41,9 +41,6 @@ def fused_parts(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def param_shapes(cfg: ModelConfig) -> dict:
     """The shape of every tensor, keyed like the params pytree (`tensors.model_tensors`)."""
     return jax.tree.map(lambda t: t.shape, model_tensors(cfg))
-
-
-MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits over
 
 
 def param_specs(cfg: ModelConfig) -> dict:

@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import ModelConfig
+from jaxrunner.models.tensors import MODEL_AXIS
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (lhs [M, K], rhs [E, K, N], sizes [E])
 
@@ -31,15 +33,44 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
     not `valid` (bool [T]: a bucket's padding) go to no expert: their copies sort past the last
     group, where the grouped matmul computes nothing (their rows come out zero). `grouped_matmul`:
     `ragged_dot`'s function (the runner's choice: XLA's, or the Pallas kernel that reads only the
-    experts in use)."""
-    k = cfg.num_experts_per_tok
+    experts in use).
+
+    On a mesh that splits MODEL_AXIS the experts are split by expert (expert parallelism, the
+    gather-compute-reduce form): every device routes all the tokens (x is whole on each after the
+    attention's all-reduce), runs the copies bound for its own experts, and one all-reduce sums
+    the devices' outputs, as the dense MLP's down projection ends. An all-to-all of the copies
+    would move fewer bytes, but at decode's few tokens a step is bound by reading the experts, and
+    this form keeps one collective per layer with no capacity to size."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get(MODEL_AXIS, 1) == 1:
+        return _experts(x, router, gate_up, down, act, cfg, valid, grouped_matmul, split=False)
+    valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
+    by_expert = P(MODEL_AXIS)
+
+    def local(x, router, gate_up, down, valid):
+        out = _experts(x, router, gate_up, down, act, cfg, valid, grouped_matmul, split=True)
+        return jax.lax.psum(out, MODEL_AXIS)
+
+    return jax.shard_map(local, in_specs=(P(), P(), by_expert, by_expert, P()), out_specs=P(),
+                         check_vma=False)(x, router, gate_up, down, valid)
+
+
+def _experts(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, act, cfg: ModelConfig,
+             valid: jax.Array | None, grouped_matmul: GroupedMatmul, split: bool) -> jax.Array:
+    """The MLP over the experts held here: all of them, or (`split`) this device's slice of
+    MODEL_AXIS, the copies bound elsewhere sorted past its last group like padding's."""
+    k, held = cfg.num_experts_per_tok, gate_up.shape[0]
     weights, experts = route(x @ router, k, cfg.norm_topk_prob)
-    if valid is not None:
-        experts = jnp.where(valid[:, None], experts, cfg.num_experts)  # past the last group: no expert's rows
+    keep = None if valid is None else valid[:, None]
+    if split:
+        experts = experts - jax.lax.axis_index(MODEL_AXIS) * held
+        keep = keep & (experts >= 0) & (experts < held)
+    if keep is not None:
+        experts = jnp.where(keep, experts, held)  # past the last group: no expert's rows
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # the T * k token copies, expert by expert
     tokens = order // k
-    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=held).astype(jnp.int32)
     gate, up = jnp.split(grouped_matmul(x[tokens], gate_up, sizes), 2, axis=-1)
     out = grouped_matmul(act(gate) * up, down, sizes)
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)  # the weights in the model's dtype, as HF

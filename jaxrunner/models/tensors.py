@@ -45,9 +45,11 @@ class Dense:
 
 
 DENSE = Dense()
+MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits over
 # The axis tensor parallelism splits (Megatron's): q|k|v and gate|up by their columns, o and down by
-# their rows (their matmuls end in an all-reduce), the embedding and the LM head by the vocabulary.
-COLUMNS, ROWS = -1, 0
+# their rows (their matmuls end in an all-reduce), the embedding and the LM head by the vocabulary;
+# a Mixture-of-Experts layer's stacked experts by expert (expert parallelism: `moe.moe_mlp`).
+COLUMNS, ROWS, EXPERTS = -1, 0, 0
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,12 @@ POST_MLP_NORM = _norm("post_mlp_norm", "post_feedforward_layernorm", "post_ffw_n
 
 
 def _experts(block: str, gate: str, up: str, down: str) -> tuple[Weight, Weight, Weight]:
-    """A Mixture-of-Experts MLP's router and experts, under each family's module names: whole on
-    every shard, as tensor parallelism refuses MoE models (data parallel only)."""
+    """A Mixture-of-Experts MLP's router (whole on every shard) and experts (split by expert), under
+    each family's module names."""
     each = f"{block}.experts.{{e}}"
     return (_linear("router", None, (f"{block}.gate", "ffn_gate_inp")),
-            _linear("experts_gate_up", None, (f"{each}.{gate}", "ffn_gate_exps"), (f"{each}.{up}", "ffn_up_exps")),
-            _linear("experts_down", None, (f"{each}.{down}", "ffn_down_exps")))
+            _linear("experts_gate_up", EXPERTS, (f"{each}.{gate}", "ffn_gate_exps"), (f"{each}.{up}", "ffn_up_exps")),
+            _linear("experts_down", EXPERTS, (f"{each}.{down}", "ffn_down_exps")))
 
 
 EXPERTS = {

@@ -4,7 +4,8 @@ A runner with `tensor_parallel_size` t > 1 (or a data-parallel replica past the 
 program on a mesh of t devices (axes "data" x `MODEL_AXIS`, 1 x t) under `jax.set_mesh`: the params and the KV cache are placed by the
 PartitionSpecs declared beside their shapes (`llama.param_specs`, `state.state_specs`), and XLA's
 partitioner inserts the collectives (an all-reduce after o and after down in every layer). The
-attention kernels run per device through `shard_map`, each device on its own heads.
+attention kernels run per device through `shard_map`, each device on its own heads; a
+Mixture-of-Experts layer's experts split by expert, each device running its own (`moe.moe_mlp`).
 
 Each shard must hold whole heads (`RunnerConfig.check_model` names the sizes that cannot split):
 q|k|v's columns are laid out shard by shard, each shard its q heads then their k and v heads
@@ -68,7 +69,9 @@ def shard_layout(params: Params, model: ModelConfig, tp: int) -> Params:
         return by_shard(*jnp.split(w, 2, axis=-1))
 
     def layer(p: dict) -> dict:
-        out = dict(p, wqkv=map_columns(qkv, p["wqkv"]), w_gate_up=map_columns(gate_up, p["w_gate_up"]))
+        out = dict(p, wqkv=map_columns(qkv, p["wqkv"]))
+        if "w_gate_up" in p:  # (a Mixture-of-Experts layer splits its experts whole, by expert)
+            out["w_gate_up"] = map_columns(gate_up, p["w_gate_up"])
         if "bqkv" in p:
             out["bqkv"] = qkv(p["bqkv"])
         return out
