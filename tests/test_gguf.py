@@ -247,3 +247,20 @@ def test_a_damaged_gguf_file_is_named(damage, tmp_path):
     with pytest.raises(ValueError, match="cannot read the GGUF file") as info:
         open_checkpoint(path)
     assert str(path) in str(info.value)
+
+
+def test_the_conversion_stores_the_runners_dtype(tmp_path, monkeypatch):
+    """A bfloat16 runner's conversion is its own, in half of float32's bytes, and says its dtype
+    (what dtype "auto" then resolves to); the float32 one is untouched."""
+    monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path / "cache"))
+    path = str(write_gguf(tmp_path / "tiny-qwen3.gguf", "tiny-qwen3"))
+    f32, bf16 = model_files.converted(path), model_files.converted(path, dtype="bfloat16")
+    assert f32 != bf16 and model_files.converted(path) == f32
+
+    def params_bytes(out: str) -> int:
+        sizes = json.loads(Path(out, model_files.MANIFEST).read_text())
+        return sum(size for name, size in sizes.items() if name.startswith("params"))
+
+    assert 0.4 < params_bytes(bf16) / params_bytes(f32) < 0.6
+    assert json.loads(Path(bf16, "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads(Path(f32, "config.json").read_text())["dtype"] == "float32"

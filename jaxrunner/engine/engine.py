@@ -44,6 +44,7 @@ from jaxrunner.engine.default_model import default_tokenizer
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.engine.engine_args import (
     EngineArgs,
+    conversion_dtype,
     load_draft_model,
     load_weights,
     open_model,
@@ -118,7 +119,7 @@ class LLMEngine:
         built_in = False
         if args.load_format == "auto":  # the model's files on local disk (None: the tiny random model)
             need_tokenizer = args.tokenizer is None and not args.skip_tokenizer_init
-            local = local_model(args.model, need_tokenizer)
+            local = local_model(args.model, need_tokenizer, conversion_dtype(args))
             built_in = args.model is None and local is not None
             args = dataclasses.replace(args, model=local)
         self.args = args

@@ -158,6 +158,13 @@ class EngineArgs:
         return cls(**kwargs)
 
 
+def conversion_dtype(args: EngineArgs) -> str:
+    """The dtype a GGUF checkpoint converts into: `resolve_dtype`'s for it (a converted GGUF names none)."""
+    if args.dtype != "auto":
+        return args.dtype
+    return "bfloat16" if platform.on_gpu() else "float32"
+
+
 def resolve_dtype(args: EngineArgs) -> str:
     """dtype "auto" is float32 on CPU; on GPU the checkpoint's dtype (bfloat16 if it names none or float32)."""
     if args.dtype != "auto":
@@ -277,7 +284,7 @@ def load_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple
     spec = args.speculative()
     if not (spec.enabled and spec.method == "draft_model"):
         return None
-    path = local_model(spec.model, need_tokenizer=False)
+    path = local_model(spec.model, need_tokenizer=False, dtype=dtype)
     checkpoint = None if path is None else open_checkpoint(path)
     config = default_model_config() if checkpoint is None else checkpoint.config
     args.create_runner_config().check_model(target, config)  # before the draft's weights load

