@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import subprocess
@@ -34,16 +35,20 @@ MIXED = [
 
 
 @pytest.mark.parametrize("kernels, decode_forms", [("reference", 0), ("pallas", 1)])
-def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_forms):
+def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_forms, caplog):
     """Through the engine: chunked prefill, preemption, prompt logprobs, every sampler variant,
     multi-step decode in one call (plain sampling) and round by round (the others); with the
-    Pallas kernels (interpreted here) the decode form of the backbone too."""
+    Pallas kernels (interpreted here) the decode form of the backbone too. Warm-up's progress is
+    logged (stderr is no terminal here), ending with every program ready."""
+    caplog.set_level(logging.INFO, logger="jaxrunner.engine.warmup_progress")
     llm = LLM(TINY_MODEL, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8, num_gpu_blocks_override=16,
               num_scheduler_steps=4, enforce_eager=False, kernels=kernels)
     programs = llm.llm_engine.runner.programs
     # 2 token buckets x (backbone + prompt logprobs) + the decode forms (the 16-token bucket holds a
     # decode batch); 3 request buckets x (block and token-row writes + 12 sampler variants + 2 decode loops)
     assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + 3 * (2 + 12 + 2)
+    total = len(programs.warm)
+    assert caplog.messages[-1].startswith(f"warm-up: {total} of {total} programs ready")
     prompts = ["Hello there, how are", "A longer prompt that needs a second chunk of tokens", "x", "Once upon a time"]
     outs = llm.generate(prompts, [dataclasses.replace(p, max_tokens=14) for p in MIXED], use_tqdm=False)
     plain = llm.generate(prompts[:2], SamplingParams(temperature=0.9, seed=5, max_tokens=14, logprobs=1), use_tqdm=False)
@@ -57,10 +62,14 @@ def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     cfg, params = load_model(MODEL, "float32")
     config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_blocks=64)
     runner = Runner(cfg, params, config)
-    report = runner.warmup()
+    heard = []
+    report = runner.warmup(lambda done, total: heard.append((done, total)))
     # 3 token buckets x (backbone + prompt logprobs), 3 request buckets x (block and token-row writes + 12
     # sampler variants), and with the Pallas kernels the decode form of the one token bucket a decode batch lands in
     assert report["programs"] == 3 * 2 + 3 * 14 + runner.kernels.pallas and report["kv_cache_tokens"] == 512
+    # once before compiling (what was ready already), then once per program compiled, up to all of them
+    total = report["programs"]
+    assert heard == [(total - report["compiled"] + i, total) for i in range(report["compiled"] + 1)]
     prompts = [list(range(3, 3 + n)) for n in (5, 30, 61, 12)]
     drive(runner, prompts, 12, params=MIXED, chunk=13, stagger=2, preempt={6: [1], 9: [2, 3]})
     drive(runner, prompts[:2], 6)

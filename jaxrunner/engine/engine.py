@@ -60,6 +60,7 @@ from jaxrunner.engine.processor import ProcessedPrompt, Processor, Prompt
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.engine.structured_output import GrammarCompiler, new_grammar
+from jaxrunner.engine.warmup_progress import WarmupProgress
 from jaxrunner.lora_request import LoRARequest
 from jaxrunner.runner.pending_output import PendingOutput
 from jaxrunner.runner import Runner
@@ -145,7 +146,7 @@ class LLMEngine:
                                    self.model_config.vocab_size)
         self.startup: dict = {}  # the start-up report: seconds per phase, programs, KV cache size
         if warm_up(args):
-            report = self.runner.warmup()
+            report = self.runner.warmup(WarmupProgress())
             self.startup = report = {"load_seconds": round(loaded - start, 2), "kv_sizing_seconds": round(sized - loaded, 2), **report}
             logger.info("loaded in %.1f s, sized the KV cache in %.1f s, compiled %d programs in %.1f s (%.1f s lowering); "
                         "KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"], report["kv_sizing_seconds"],

@@ -25,7 +25,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import jax
@@ -47,6 +47,7 @@ from jaxrunner.sampling import PROMPT_LOGPROBS_CHUNK
 from jaxrunner.spec_decode.sample import spec_sample_step
 
 logger = logging.getLogger(__name__)
+Progress = Callable[[int, int], None]  # (programs ready, programs in all), as warm-up goes
 
 Example = dict  # a call's named arguments, its static options among them
 Plans = list[StepPlan]  # the plans of warm-up's synthetic schedules (`plan.warmup_plans`)
@@ -222,10 +223,11 @@ class Programs:
         """Every program a runner of this context can ask for."""
         return [p for kind in KINDS for p in self.examples(kind)]
 
-    def warm_up(self) -> tuple[int, int]:
-        """Compile every program of `warmup_programs`; (how many there are, how many were new)."""
+    def warm_up(self, progress: Progress = lambda done, total: None) -> tuple[int, int]:
+        """Compile every program of `warmup_programs`; (how many there are, how many were new).
+        `progress(done, total)` hears of each one ready."""
         programs = self.warmup_programs()
-        compiled = self.compile_all(programs)
+        compiled = self.compile_all(programs, progress=progress)
         self.warm.update(p.key for p in programs)
         return len(programs), compiled
 
@@ -246,12 +248,14 @@ class Programs:
             self.compile_all([program])
         return self._compiled[program.key]
 
-    def compile_all(self, programs: Sequence[Program], workers: int | None = None) -> int:
+    def compile_all(self, programs: Sequence[Program], workers: int | None = None,
+                    progress: Progress = lambda done, total: None) -> int:
         """Make the programs not compiled yet ready, in parallel; how many that was. Those in the
         program cache are loaded; each other is lowered and handed to the pool at once, so lowering
         the next (Python, under the GIL) overlaps compiling the previous ones: list the slowest
-        compiles first."""
+        compiles first. `progress(done, total)` is called as programs become ready."""
         todo = {p.key: p for p in programs if p.key not in self._compiled}
+        total = len(programs)
         devices = tuple(d.id for d in self.ctx.mesh.devices.flat) if self.ctx.mesh is not None else ()  # a replica's own
         cache_keys = ({key: self._cache.key(p.kind.jitted, (key, devices), p.args, p.statics) for key, p in todo.items()}
                       if self._cache else {})
@@ -262,15 +266,19 @@ class Programs:
                     if exe is not None:
                         self._compiled[key] = exe
                         self.loaded += 1
+            ready = total - len(todo) + sum(key in self._compiled for key in todo)
+            progress(ready, total)
             futures = {}
             for key, p in todo.items():
                 if key not in self._compiled:
                     start = time.perf_counter()
                     lowered = self._lower(p)
                     self.lowering_seconds += time.perf_counter() - start
-                    futures[key] = pool.submit(self._compile, lowered, cache_keys.get(key))
-            for key, future in futures.items():
-                self._compiled[key] = future.result()
+                    futures[pool.submit(self._compile, lowered, cache_keys.get(key))] = key
+            for future in as_completed(futures):
+                self._compiled[futures[future]] = future.result()
+                ready += 1
+                progress(ready, total)
         return len(todo)
 
     def _lower(self, program: Program) -> jax.stages.Lowered:

@@ -50,6 +50,7 @@ from jaxrunner.runner.programs import (
     WRITE_BLOCKS,
     WRITE_LORA,
     WRITE_TOKENS,
+    Progress,
     shared_programs,
 )
 from jaxrunner.runner.request_table import RequestTable
@@ -237,12 +238,13 @@ class Runner:
             outs.append(out)
         return jax.tree.map(lambda *xs: jnp.stack(xs), *outs), state
 
-    def warmup(self) -> dict:
+    def warmup(self, progress: Progress = lambda done, total: None) -> dict:
         """Compile, in parallel, every program a step can run (`Programs.warm_up`): serving then
-        never compiles. Returns a start-up report (programs, seconds, KV cache size)."""
+        never compiles. Returns a start-up report (programs, seconds, KV cache size).
+        `progress(done, total)` hears of each program ready."""
         cfg = self.config
         start, lowering, loaded = time.perf_counter(), self.programs.lowering_seconds, self.programs.loaded
-        programs, compiled = self.programs.warm_up()
+        programs, compiled = self.programs.warm_up(progress)
         return {
             "token_buckets": list(cfg.token_buckets),
             "request_buckets": list(cfg.request_buckets),
