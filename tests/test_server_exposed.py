@@ -14,13 +14,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.testclient import TestClient
 
+from jaxrunner import EngineArgs, LLMEngine
 from jaxrunner.engine.default_model import TINY_MODEL
+from jaxrunner.server.api_server import build_app
 from jaxrunner.server.async_llm import AsyncLLM
+from jaxrunner.server.metrics import ServerMetrics
 from jaxrunner.server.guards import LastResort
 from jaxrunner.server.protocol import MAX_N, MAX_PROMPTS, MAX_STOP
 from test_server import start_server, stop_server
@@ -295,3 +300,25 @@ def test_a_bug_met_while_taking_one_request_is_its_500_and_the_engine_steps_on(c
     assert "internal error" in reply and "injected" not in reply
     (record,) = caplog.records
     assert error_id in record.getMessage() and "injected fault" in caplog.text  # the traceback, under the id
+
+
+def test_health_says_starting_until_the_programs_are_ready(monkeypatch):
+    """A server's engine compiles once the port is open: /health answers 503 "starting" meanwhile,
+    a request sent then waits, and both go through once warm-up is done."""
+    engine = LLMEngine(EngineArgs(TINY_MODEL, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
+                                  enforce_eager=False), defer_warm_up=True)
+    assert not engine.warm and engine.startup == {}
+    release, warmup = threading.Event(), engine.runner.warmup
+    monkeypatch.setattr(engine.runner, "warmup", lambda progress: release.wait(120) and warmup(progress))
+    app = build_app(AsyncLLM(engine), ServerMetrics("tiny"), "tiny")
+    with TestClient(app) as client:
+        starting = client.get("/health")
+        assert starting.status_code == 503 and "starting" in starting.json()["error"]["message"]
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(client.post, "/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+            time.sleep(0.5)
+            assert not reply.done()  # it waits for the programs
+            release.set()
+            assert reply.result(timeout=300).status_code == 200
+        assert client.get("/health").status_code == 200
+    assert engine.warm and engine.startup["programs"] > 0

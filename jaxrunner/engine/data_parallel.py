@@ -26,19 +26,33 @@ from jaxrunner.lora_request import LoRARequest
 from jaxrunner.sampling_params import SamplingParams
 
 
-def make_engine(args: EngineArgs) -> LLMEngine | DataParallelEngine:
-    return DataParallelEngine(args) if args.data_parallel_size > 1 else LLMEngine(args)
+def make_engine(args: EngineArgs, defer_warm_up: bool = False) -> LLMEngine | DataParallelEngine:
+    if args.data_parallel_size > 1:
+        return DataParallelEngine(args, defer_warm_up)
+    return LLMEngine(args, defer_warm_up)
 
 
 class DataParallelEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        self.replicas = [LLMEngine(dataclasses.replace(args, data_parallel_rank=r)) for r in range(args.data_parallel_size)]
+    def __init__(self, args: EngineArgs, defer_warm_up: bool = False) -> None:
+        self.replicas = [LLMEngine(dataclasses.replace(args, data_parallel_rank=r), defer_warm_up)
+                         for r in range(args.data_parallel_size)]
         first = self.replicas[0]
         self.args, self.config, self.model_config, self.tokenizer = args, first.config, first.model_config, first.tokenizer
         self.processor: Processor = first.processor
-        self.startup = first.startup
         self.sampling_defaults = first.sampling_defaults
         self._owner: dict[str, LLMEngine] = {}  # request id -> its replica, until its last output
+
+    @property
+    def startup(self) -> dict:
+        return self.replicas[0].startup
+
+    @property
+    def warm(self) -> bool:
+        return all(replica.warm for replica in self.replicas)
+
+    def warm_up(self) -> None:
+        for replica in self.replicas:
+            replica.warm_up()
 
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
         return self.replicas[0].process_prompt(prompt, params)

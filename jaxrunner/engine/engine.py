@@ -116,7 +116,9 @@ def load_tokenizer(args: EngineArgs):
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, defer_warm_up: bool = False) -> None:
+        """`defer_warm_up`: leave the programs' compilation to an explicit `warm_up()` (a server
+        opens its port first and answers /health "starting" meanwhile)."""
         built_in = False
         if args.load_format == "auto":  # the model's files on local disk (None: the tiny random model)
             need_tokenizer = args.tokenizer is None and not args.skip_tokenizer_init
@@ -145,13 +147,8 @@ class LLMEngine:
         self.processor = Processor(self.tokenizer, self.runner.check_sampling_params, self.config.max_model_len,
                                    self.model_config.vocab_size)
         self.startup: dict = {}  # the start-up report: seconds per phase, programs, KV cache size
-        if warm_up(args):
-            report = self.runner.warmup(WarmupProgress())
-            self.startup = report = {"load_seconds": round(loaded - start, 2), "kv_sizing_seconds": round(sized - loaded, 2), **report}
-            logger.info("loaded in %.1f s, sized the KV cache in %.1f s, compiled %d programs in %.1f s (%.1f s lowering); "
-                        "KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"], report["kv_sizing_seconds"],
-                        report["compiled"], report["compile_seconds"], report["lowering_seconds"], report["kv_cache_blocks"],
-                        report["kv_cache_tokens"], report["kv_cache_gib"])
+        self._phases = {"load_seconds": round(loaded - start, 2), "kv_sizing_seconds": round(sized - loaded, 2)}
+        self.warm = not warm_up(args)  # every program a step can run compiled (or none to compile ahead)
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching,
                                           self.model_config.group_windows,
                                           self.config.speculative.num_speculative_tokens)
@@ -166,6 +163,20 @@ class LLMEngine:
         # A step still running on the device when the interpreter exits makes it abort (SIGABRT):
         # wait for whatever is in flight then, or when the engine is dropped.
         self._finalizer = weakref.finalize(self, _wait_for, self._in_flight)
+        if not defer_warm_up:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile every program a step can run (`Runner.warmup`), showing the progress; once."""
+        if self.warm:
+            return
+        report = self.runner.warmup(WarmupProgress())
+        self.startup = report = {**self._phases, **report}
+        logger.info("loaded in %.1f s, sized the KV cache in %.1f s, compiled %d programs in %.1f s (%.1f s lowering); "
+                    "KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"], report["kv_sizing_seconds"],
+                    report["compiled"], report["compile_seconds"], report["lowering_seconds"], report["kv_cache_blocks"],
+                    report["kv_cache_tokens"], report["kv_cache_gib"])
+        self.warm = True
 
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
         """`prompt` tokenized and checked by `self.processor` (see `Processor.process`)."""

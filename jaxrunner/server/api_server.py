@@ -101,13 +101,15 @@ class ModelNotFound(Exception):
 
 def serve(args: EngineArgs, options: ServerOptions = ServerOptions()) -> None:
     """Load the engine and the adapters of `options.lora_modules` (name: PEFT directory); a bad
-    model, argument or adapter fails here, before the port opens. Then serve until SIGINT or SIGTERM."""
+    model, argument or adapter fails here, before the port opens. Then serve until SIGINT or SIGTERM;
+    the programs compile once the port is open, /health answering 503 "starting" until they are
+    ready (requests sent meanwhile wait)."""
     import uvicorn
 
     if options.allow_runtime_lora_updating and not args.enable_lora:
         raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
     name = options.served_model_name or args.model or (DEFAULT_MODEL if default_gguf() is not None else TINY_MODEL)
-    engine = make_engine(args)
+    engine = make_engine(args, defer_warm_up=True)
     loras = [LoRARequest(lora, i, path) for i, (lora, path) in enumerate(options.lora_modules.items(), 1)]
     for lora in loras:
         engine.add_lora(lora)
@@ -150,6 +152,9 @@ def build_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, options: S
 
     @app.get("/health")
     async def health() -> Response:
+        if llm.is_running and not llm.engine.warm:
+            return error_response(503, "ServiceUnavailableError", "the engine is starting: its programs are "
+                                  "compiling (warm-up); requests sent now wait for it")
         if llm.is_running:
             return Response(status_code=200)
         return error_response(503, "ServiceUnavailableError", f"the engine is not running: {llm.error!r}")

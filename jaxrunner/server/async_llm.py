@@ -197,6 +197,7 @@ class AsyncLLM:
     def _run(self) -> None:
         engine = self.engine
         try:
+            engine.warm_up()  # a server's engine compiles here, its port open (requests wait in the queue)
             stop = False
             while not (stop and not engine.has_unfinished_requests()):
                 commands = self._take_commands(block=not engine.has_unfinished_requests())
