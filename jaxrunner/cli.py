@@ -66,6 +66,8 @@ ENGINE_FLAGS = (
     ("load_format", str, "auto, or dummy: random weights in the shape --model names (e.g. qwen3-0.6b)"),
     ("num_scheduler_steps", int, "decode steps per device call"),
     ("async_scheduling", None, None),
+    ("compile_in_background", None, "compile only the largest buckets at start-up, the rest in the background "
+                                    "(steps pad up to the buckets ready meanwhile)"),
     ("tensor_parallel_size", int, "devices the model is split over"),
     ("data_parallel_size", int, "replicas of the model, each on tensor_parallel_size devices of its own"),
     ("enable_lora", None, "serve LoRA adapters"),

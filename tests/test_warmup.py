@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -73,6 +74,34 @@ def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     prompts = [list(range(3, 3 + n)) for n in (5, 30, 61, 12)]
     drive(runner, prompts, 12, params=MIXED, chunk=13, stagger=2, preempt={6: [1], 9: [2, 3]})
     drive(runner, prompts[:2], 6)
+    assert runner.programs.asked <= runner.programs.warm and runner.programs.compiled_on_use == 0
+
+
+def test_a_background_warm_up_steps_with_the_buckets_ready_and_never_compiles_on_a_step(monkeypatch):
+    """`warmup(background=True)` compiles the largest buckets' programs, and steps pad up to them
+    while a thread compiles the rest (held back here until the first workload ran); then the
+    smaller buckets serve, the same tokens come out, and no step compiled anything."""
+    cfg, params = load_model(MODEL, "float32")
+    config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_blocks=72)
+    runner = Runner(cfg, params, config)
+    release, warm_up = threading.Event(), runner.programs.warm_up
+
+    def held_back(*args):
+        if threading.current_thread().name == "jaxrunner-warm-up":
+            release.wait(300)
+        return warm_up(*args)
+
+    monkeypatch.setattr(runner.programs, "warm_up", held_back)
+    report = runner.warmup(background=True)
+    assert 0 < report["in_background"] < report["programs"]
+    prompts = [list(range(3, 3 + n)) for n in (5, 30, 12)]
+    first = drive(runner, prompts, 10, chunk=13)
+    buckets = {key[1] for key in runner.programs.asked if key[0] == "forward"}
+    assert buckets == {config.max_num_batched_tokens}  # only the largest token bucket was ready
+    release.set()
+    runner.join_warmup(300)
+    assert drive(runner, prompts, 10, chunk=13) == first
+    assert min(key[1] for key in runner.programs.asked if key[0] == "forward") < config.max_num_batched_tokens
     assert runner.programs.asked <= runner.programs.warm and runner.programs.compiled_on_use == 0
 
 

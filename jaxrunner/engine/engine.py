@@ -170,7 +170,7 @@ class LLMEngine:
         """Compile every program a step can run (`Runner.warmup`), showing the progress; once."""
         if self.warm:
             return
-        report = self.runner.warmup(WarmupProgress())
+        report = self.runner.warmup(WarmupProgress(), background=self.args.compile_in_background)
         self.startup = report = {**self._phases, **report}
         logger.info("loaded in %.1f s, sized the KV cache in %.1f s, compiled %d programs in %.1f s (%.1f s lowering); "
                     "KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"], report["kv_sizing_seconds"],

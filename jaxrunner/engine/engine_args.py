@@ -47,7 +47,9 @@ class EngineArgs:
     vocabulary); `logprobs_mode`: raw_logprobs, raw_logits, processed_logprobs or processed_logits.
     `enforce_eager`: skip compiling every bucket at start-up (they then compile when first used);
     by default start-up compiles them on a GPU and skips it on a CPU; either way compiled programs
-    are kept in JAX's persistent cache under `model_files.cache_dir()`. `load_format` "dummy": random
+    are kept in JAX's persistent cache under `model_files.cache_dir()`. `compile_in_background`:
+    start-up compiles only the largest buckets, a thread the others, steps padding up to the
+    buckets ready meanwhile (`Runner.warmup`). `load_format` "dummy": random
     weights in the model's shape, where `model` is a checkpoint directory (only its config.json is
     read) or a benchmark shape name (`jaxrunner.checkpoints.dummy.SHAPES`). `num_scheduler_steps`: decode
     steps per device call when a batch is all decodes (multi-step decode). `async_scheduling`:
@@ -84,6 +86,7 @@ class EngineArgs:
     max_logprobs: int = SamplerConfig.max_logprobs
     logprobs_mode: str = SamplerConfig.logprobs_mode
     enforce_eager: bool | None = None
+    compile_in_background: bool = False
     load_format: str = "auto"
     num_scheduler_steps: int = 1
     async_scheduling: bool = True
@@ -113,6 +116,7 @@ class EngineArgs:
             check_bool(where, name, getattr(self, name))
         if self.enforce_eager is not None:
             check_bool(where, "enforce_eager", self.enforce_eager)
+        check_bool(where, "compile_in_background", self.compile_in_background)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.load_format == "dummy" and self.model is None:

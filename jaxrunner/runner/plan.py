@@ -189,6 +189,19 @@ def warmup_plans(ctx: Context) -> list[StepPlan]:
     return plans
 
 
+def bucket_tiers(ctx: Context) -> list[Context]:
+    """The contexts a background warm-up serves with as its programs arrive: the first with only
+    the largest token and request buckets (any batch pads up to them), each next with one more
+    bucket of each axis (the next smaller), the last `ctx` itself. A tier's warm-up plans call its
+    programs and those of the tiers before it."""
+    cfg = ctx.config
+    tokens, requests = cfg.token_buckets, cfg.request_buckets
+    tiers = [dataclasses.replace(ctx, config=dataclasses.replace(
+        cfg, token_buckets=tokens[-min(i, len(tokens)):], request_buckets=requests[-min(i, len(requests)):]))
+        for i in range(1, max(len(tokens), len(requests)))]
+    return [*tiers, ctx]
+
+
 def _sampling_params(flags: SamplerFlags) -> SamplingParams:
     """Parameters whose batch is promoted to `flags`: the variants are plain, truncation and
     everything, each without and with logprobs (a variant's grammar comes from the schedule)."""

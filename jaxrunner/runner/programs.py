@@ -207,10 +207,11 @@ class Programs:
         return Program(kind, (kind.name, *kind.key(named)), tuple(named[name] for name in kind.arguments),
                        kind.fixed(self.ctx) | statics)
 
-    def examples(self, kind: Kind) -> list[Program]:
-        """The distinct programs of `kind` that warm-up's plans call, in the plans' order (the largest first)."""
+    def examples(self, kind: Kind, plans: Plans | None = None) -> list[Program]:
+        """The distinct programs of `kind` that warm-up's plans (or `plans`) call, in the plans'
+        order (the largest first)."""
         unique = {}
-        for named in kind.examples(self.ctx, self._warmup_plans):
+        for named in kind.examples(self.ctx, self._warmup_plans if plans is None else plans):
             program = self.program(kind, **named)
             unique.setdefault(program.key, program)
         return list(unique.values())
@@ -219,15 +220,20 @@ class Programs:
     def _warmup_plans(self) -> Plans:
         return warmup_plans(self.ctx)
 
-    def warmup_programs(self) -> list[Program]:
-        """Every program a runner of this context can ask for."""
-        return [p for kind in KINDS for p in self.examples(kind)]
+    def warmup_programs(self, serving: Context | None = None) -> list[Program]:
+        """Every program a runner of this context can ask for; or, serving with `serving`'s buckets
+        (`plan.bucket_tiers`), the programs those ask for."""
+        plans = None if serving is None else warmup_plans(serving)
+        return [p for kind in KINDS for p in self.examples(kind, plans)]
 
-    def warm_up(self, progress: Progress = lambda done, total: None) -> tuple[int, int]:
-        """Compile every program of `warmup_programs`; (how many there are, how many were new).
-        `progress(done, total)` hears of each one ready."""
-        programs = self.warmup_programs()
-        compiled = self.compile_all(programs, progress=progress)
+    def warm_up(self, programs: Sequence[Program] | None = None, progress: Progress = lambda done, total: None,
+                total: int | None = None) -> tuple[int, int]:
+        """Compile `programs` (every program of `warmup_programs` if None); (how many there are, how
+        many were new). `progress(done, total)` hears of each one ready, out of `total` if given
+        (a background warm-up's, over its tiers)."""
+        programs = self.warmup_programs() if programs is None else programs
+        report = progress if total is None else lambda done, _: progress(done, total)
+        compiled = self.compile_all(programs, progress=report)
         self.warm.update(p.key for p in programs)
         return len(programs), compiled
 

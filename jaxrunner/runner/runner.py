@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -40,7 +42,7 @@ from jaxrunner.runner.input_batch import bucket
 from jaxrunner.runner.memory import kv_cache_bytes
 from jaxrunner.runner.parallel import make_mesh, place, shard_layout, sharded_config
 from jaxrunner.runner.pending_output import PendingOutput
-from jaxrunner.runner.plan import StepPlan, prepare
+from jaxrunner.runner.plan import StepPlan, bucket_tiers, prepare
 from jaxrunner.runner.programs import (
     DECODE_LOOP,
     FORWARD,
@@ -59,6 +61,8 @@ from jaxrunner.runner.step import decode_round
 from jaxrunner.sampling import PromptLogprobsBuffer, SamplerOutput, prepare_request
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.step_io import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ class Runner:
         self.kernels = Kernels.choose(config.kernels)
         self.ctx = Context(model_config, config, self.kernels, str(params["embed"].dtype), self.draft_model, self.mesh)
         self.programs = shared_programs(self.ctx)
+        self._serving = self.ctx  # what steps are planned with: a background warm-up's tier meanwhile (`warmup`)
+        self._warming: threading.Thread | None = None
         self.lora = init_lora(model_config, config.lora, self.ctx.dtype)  # the adapter slots (() without LoRA)
         self.adapters = Adapters(model_config, config.lora)
         self._table = RequestTable.empty(config.max_num_seqs)
@@ -154,7 +160,7 @@ class Runner:
         if self._forwarded is not None:
             raise RuntimeError("the last step's forward pass is waiting for its sampling: call sample_tokens first")
         rng = copy.deepcopy(self._rng)  # seeds are drawn from a copy, kept only if the step stands
-        self._table, plan = prepare(self._table, sched, self.ctx, rng, self.adapters)
+        self._table, plan = prepare(self._table, sched, self._serving, rng, self.adapters)
         self._rng = rng
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             self._prompt_logprobs.discard(rid)
@@ -238,18 +244,32 @@ class Runner:
             outs.append(out)
         return jax.tree.map(lambda *xs: jnp.stack(xs), *outs), state
 
-    def warmup(self, progress: Progress = lambda done, total: None) -> dict:
+    def warmup(self, progress: Progress = lambda done, total: None, background: bool = False) -> dict:
         """Compile, in parallel, every program a step can run (`Programs.warm_up`): serving then
         never compiles. Returns a start-up report (programs, seconds, KV cache size).
-        `progress(done, total)` hears of each program ready."""
+        `progress(done, total)` hears of each program ready.
+
+        `background`: compile only the largest buckets' programs now (the first of
+        `plan.bucket_tiers`) and return; a thread compiles the others tier by tier, and each step is
+        planned with the buckets compiled so far (a batch pads up to the smallest of them), so a
+        step still never compiles. `join_warmup` waits for the thread."""
         cfg = self.config
         start, lowering, loaded = time.perf_counter(), self.programs.lowering_seconds, self.programs.loaded
-        programs, compiled = self.programs.warm_up(progress)
+        tiers = bucket_tiers(self.ctx) if background else [self.ctx]
+        everything = self.programs.warmup_programs()
+        first = self.programs.warmup_programs(tiers[0]) if background else everything
+        _, compiled = self.programs.warm_up(first, progress, len(everything))
+        self._serving = tiers[0]
+        if len(tiers) > 1:
+            self._warming = threading.Thread(target=self._warm_up_tiers, args=(tiers[1:], progress, len(everything)),
+                                             name="jaxrunner-warm-up", daemon=True)
+            self._warming.start()
         return {
             "token_buckets": list(cfg.token_buckets),
             "request_buckets": list(cfg.request_buckets),
-            "programs": programs,
+            "programs": len(everything),
             "compiled": compiled,  # the others were compiled already, by a runner of the same context
+            "in_background": len(everything) - len(first),  # left to the warm-up thread, at most
             "compile_seconds": round(time.perf_counter() - start, 2),
             "lowering_seconds": round(self.programs.lowering_seconds - lowering, 2),
             "loaded_from_cache": self.programs.loaded - loaded,  # of `compiled`: read from the program cache
@@ -257,6 +277,23 @@ class Runner:
             "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
             "kv_cache_gib": round(kv_cache_bytes(self.model_config, cfg) / 2**30, 3),
         }
+
+    def _warm_up_tiers(self, tiers: list[Context], progress: Progress, total: int) -> None:
+        start = time.perf_counter()
+        try:
+            for tier in tiers:
+                self.programs.warm_up(self.programs.warmup_programs(tier), progress, total)
+                self._serving = tier  # the next step may use its buckets: all their programs are ready
+        except Exception:  # serving goes on with the buckets compiled so far
+            logger.exception("the background warm-up stopped; steps keep the buckets compiled so far: %s",
+                             self._serving.config.token_buckets)
+            return
+        logger.info("background warm-up done in %.1f s: every bucket compiled", time.perf_counter() - start)
+
+    def join_warmup(self, timeout: float | None = None) -> None:
+        """Wait for a background warm-up (`warmup(background=True)`) to finish."""
+        if self._warming is not None:
+            self._warming.join(timeout)
 
     def peak_step_bytes(self) -> int:
         """Temporary device memory of the largest step (the largest token bucket's backbone, then the
