@@ -68,6 +68,7 @@ ENGINE_FLAGS = (
     ("async_scheduling", None, None),
     ("compile_in_background", None, "compile only the largest buckets at start-up, the rest in the background "
                                     "(steps pad up to the buckets ready meanwhile)"),
+    ("batch_invariant", None, "a request's tokens and logprobs do not depend on the batch it runs in"),
     ("tensor_parallel_size", int, "devices the model is split over"),
     ("data_parallel_size", int, "replicas of the model, each on tensor_parallel_size devices of its own"),
     ("enable_lora", None, "serve LoRA adapters"),

@@ -429,18 +429,22 @@ class Kernels:
     """Which implementation the kernels use, decided once per runner: a static argument of every
     program that runs one. `pallas`: the Pallas kernels (attention, KV write, sampler tally), else
     their jnp references; `interpret`: Pallas in interpret mode (a machine without a GPU);
-    `num_sms`: the GPU's streaming multiprocessors, which set the decode attention's KV splits."""
+    `num_sms`: the GPU's streaming multiprocessors, which set the decode attention's KV splits;
+    `batch_invariant`: the matmuls whose row count is the batch's run tile by tile
+    (`models.row_tiles`), so a row's bits do not depend on the batch (`RunnerConfig.batch_invariant`)."""
 
     pallas: bool
     interpret: bool
     num_sms: int
+    batch_invariant: bool = False
 
     @classmethod
-    def choose(cls, choice: str) -> Kernels:
+    def choose(cls, choice: str, batch_invariant: bool = False) -> Kernels:
         """"auto": Pallas on a GPU, the references elsewhere; "pallas" off a GPU runs interpreted.
         `choice` is a `RunnerConfig.kernels`, checked there."""
         gpu = platform.on_gpu()
-        return cls(pallas=choice == "pallas" or (choice == "auto" and gpu), interpret=not gpu, num_sms=platform.num_sms())
+        return cls(pallas=choice == "pallas" or (choice == "auto" and gpu), interpret=not gpu, num_sms=platform.num_sms(),
+                   batch_invariant=batch_invariant)
 
 
 @dataclass(frozen=True)
@@ -458,7 +462,9 @@ class RunnerConfig:
     and multiplied back as attention reads them: half of bf16's bytes, so twice the blocks.
     `kernels`: "auto", "pallas" or "reference" (see `Kernels.choose`). `compilation_cache_dir` turns
     on JAX's persistent compilation cache (process-wide) there, and the runner's program cache in
-    its `programs` folder (`program_cache`: found without lowering).
+    its `programs` folder (`program_cache`: found without lowering). `batch_invariant`: a request's
+    tokens and logprobs do not depend on the batch it runs in (`Kernels.batch_invariant`); not with
+    speculative decoding, LoRA, tensor parallelism or an MoE model yet.
     """
 
     max_num_seqs: int = 8
@@ -481,6 +487,7 @@ class RunnerConfig:
     compilation_cache_dir: str | None = None
     token_buckets: tuple[int, ...] = field(default=())
     request_buckets: tuple[int, ...] = field(default=())
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks",
@@ -503,6 +510,9 @@ class RunnerConfig:
         if split and (self.lora.enabled or self.speculative.enabled and self.speculative.method == "draft_model"):
             raise ValueError("tensor and data parallelism do not combine with LoRA or a draft model yet; "
                              "use tensor_parallel_size=1 and data_parallel_size=1 for them")
+        if self.batch_invariant and (self.speculative.enabled or self.lora.enabled or split):
+            raise ValueError("batch_invariant does not combine with speculative decoding, LoRA, or tensor and data "
+                             "parallelism yet (their products still depend on the batch); turn those off for it")
         if self.speculative.enabled and self.num_scheduler_steps > 1:
             raise ValueError("speculative decoding and multi-step decode (num_scheduler_steps > 1) do not combine; "
                              "use one of them")
@@ -529,6 +539,9 @@ class RunnerConfig:
                              f"draft a window no wider than the target's; the target has {len(model.kv_cache_groups)} "
                              f"groups (window {model.sliding_window}), the draft {len(draft.kv_cache_groups)} "
                              f"(window {draft.sliding_window}); use ngram speculation for this model")
+        if self.batch_invariant and model.num_experts:
+            raise ValueError(f"batch_invariant does not cover Mixture-of-Experts models ({model.architecture}) yet: an "
+                             "expert's rows depend on what the batch routes to it; run without batch_invariant")
         if self.tensor_parallel_size > 1:
             _check_split(model, self.tensor_parallel_size)
 

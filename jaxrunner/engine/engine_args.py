@@ -49,7 +49,8 @@ class EngineArgs:
     by default start-up compiles them on a GPU and skips it on a CPU; either way compiled programs
     are kept in JAX's persistent cache under `model_files.cache_dir()`. `compile_in_background`:
     start-up compiles only the largest buckets, a thread the others, steps padding up to the
-    buckets ready meanwhile (`Runner.warmup`). `load_format` "dummy": random
+    buckets ready meanwhile (`Runner.warmup`). `batch_invariant`: a request's tokens and logprobs
+    do not depend on the batch it runs in (`config.RunnerConfig`). `load_format` "dummy": random
     weights in the model's shape, where `model` is a checkpoint directory (only its config.json is
     read) or a benchmark shape name (`jaxrunner.checkpoints.dummy.SHAPES`). `num_scheduler_steps`: decode
     steps per device call when a batch is all decodes (multi-step decode). `async_scheduling`:
@@ -87,6 +88,7 @@ class EngineArgs:
     logprobs_mode: str = SamplerConfig.logprobs_mode
     enforce_eager: bool | None = None
     compile_in_background: bool = False
+    batch_invariant: bool = False
     load_format: str = "auto"
     num_scheduler_steps: int = 1
     async_scheduling: bool = True
@@ -117,6 +119,7 @@ class EngineArgs:
         if self.enforce_eager is not None:
             check_bool(where, "enforce_eager", self.enforce_eager)
         check_bool(where, "compile_in_background", self.compile_in_background)
+        check_bool(where, "batch_invariant", self.batch_invariant)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.load_format == "dummy" and self.model is None:
@@ -139,7 +142,7 @@ class EngineArgs:
             num_scheduler_steps=self.num_scheduler_steps, sampler=self.sampler_config(),
             speculative=self.speculative(), lora=self.lora_config(), tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size, data_parallel_rank=self.data_parallel_rank,
-            kernels=self.kernels, **sizes,
+            kernels=self.kernels, batch_invariant=self.batch_invariant, **sizes,
         )
 
     def speculative(self) -> SpeculativeConfig:

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.moe import GroupedMatmul, moe_mlp
 from jaxrunner.models.quantization import Matmul, matmul
+from jaxrunner.models.row_tiles import row_tiled
 from jaxrunner.models.tensors import MODEL_AXIS, Tensor, layer_tensors, model_tensors, top_tensors
 
 Params = dict
@@ -244,10 +245,12 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
     return x + (norm(out, "post_mlp_norm") if cfg.gemma else out), kv
 
 
-def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """fp32 logits [N, padded_vocab_size] for the given final hidden states."""
+def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array, row_tiles: bool = False) -> jax.Array:
+    """fp32 logits [N, padded_vocab_size] for the given final hidden states (`row_tiles`: a tile of
+    rows at a time, batch-invariant: `models.row_tiles`)."""
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+    logits = row_tiled(dot, hidden, head) if row_tiles else dot(hidden, head)
     if cfg.final_soft_cap is not None:
         logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
     return logits

@@ -94,7 +94,7 @@ class Runner:
         self.config = config
         self.params = params
         self.draft_model, self.draft_params = draft if draft is not None else (None, {})
-        self.kernels = Kernels.choose(config.kernels)
+        self.kernels = Kernels.choose(config.kernels, config.batch_invariant)
         self.ctx = Context(model_config, config, self.kernels, str(params["embed"].dtype), self.draft_model, self.mesh)
         self.programs = shared_programs(self.ctx)
         self._serving = self.ctx  # what steps are planned with: a background warm-up's tier meanwhile (`warmup`)

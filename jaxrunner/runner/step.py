@@ -35,6 +35,7 @@ from jaxrunner.models.attention import AttentionMetadata, paged_attend
 from jaxrunner.models.llama import MODEL_AXIS, Params, compute_logits, forward, slot_mask
 from jaxrunner.models.moe import GroupedMatmul
 from jaxrunner.models.quantization import Matmul
+from jaxrunner.models.row_tiles import row_tiled
 from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.runner.state import RunnerState
 from jaxrunner.sampling import SamplerFlags, SamplerOutput, SamplingMetadata, compute_logprobs, sample
@@ -74,14 +75,14 @@ class SampleInputs:
     num_drafts: jax.Array  # i32 [B]
 
 
-def full_logits(params: Params, model: ModelConfig, hidden: jax.Array) -> jax.Array:
+def full_logits(params: Params, model: ModelConfig, hidden: jax.Array, row_tiles: bool = False) -> jax.Array:
     """fp32 logits [N, vocab_size] of the hidden states, whole on every device. Under tensor
     parallelism each device computes its slice of the vocabulary (the LM head is split by it), then
     the slices are gathered, so the sampler works on full rows and the head's weight never moves;
     the padded vocabulary's extra columns are then cut off, so no token that does not exist is
-    sampled, ranked or returned."""
+    sampled, ranked or returned. `row_tiles`: batch-invariant (`models.row_tiles`)."""
     with jax.default_matmul_precision(matmul_precision(params)):
-        logits = compute_logits(params, model, hidden)
+        logits = compute_logits(params, model, hidden, row_tiles)
     if not jax.sharding.get_abstract_mesh().empty:
         logits = jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(logits, P(None, MODEL_AXIS)), P())
     return logits[:, : model.vocab_size]
@@ -132,10 +133,12 @@ def moe_matmul(kernels: Kernels, model: ModelConfig) -> GroupedMatmul:
 @functools.cache
 def projection_matmul(kernels: Kernels) -> Matmul:
     """The layers' projections: with the Pallas kernels on a GPU, quantized weights' decode-shaped
-    calls run the Mosaic kernel (`quantization.matmul`). Cached, as `moe_matmul`."""
+    calls run the Mosaic kernel (`quantization.matmul`); batch-invariant, tile by tile
+    (`row_tiles`). Cached, as `moe_matmul`."""
+    product = quantization.matmul
     if kernels.pallas and not kernels.interpret:
-        return functools.partial(quantization.matmul, num_sms=kernels.num_sms)
-    return quantization.matmul
+        product = functools.partial(quantization.matmul, num_sms=kernels.num_sms)
+    return functools.partial(row_tiled, product) if kernels.batch_invariant else product
 
 
 def backbone(
@@ -195,12 +198,16 @@ def sample_step(
     params: Params, state: RunnerState, last_hidden: jax.Array, samples: SampleInputs, *, model: ModelConfig,
     kernels: Kernels, flags: SamplerFlags,
 ) -> tuple[SamplerOutput, RunnerState]:
-    logits = full_logits(params, model, last_hidden[: samples.commit_rows.shape[0], 0])
+    logits = full_logits(params, model, last_hidden[: samples.commit_rows.shape[0], 0], kernels.batch_invariant)
     if flags.penalties or flags.bad_words:
         history = state.token_ids[samples.history_rows]
     else:
         history = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    out = sample(logits, samples.sampling, flags, history, kernels)
+    def draw(rows: tuple) -> SamplerOutput:
+        return sample(rows[0], rows[1], flags, rows[2], kernels)
+
+    rows = (logits, samples.sampling, history)
+    out = row_tiled(draw, rows) if kernels.batch_invariant else draw(rows)
     token_ids = state.token_ids.at[samples.commit_rows, samples.sampling.positions].set(out.tokens, mode="drop")
     return out, dataclasses.replace(state, token_ids=token_ids)
 

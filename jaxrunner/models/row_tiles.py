@@ -1,0 +1,33 @@
+"""Rows whose results do not depend on the batch: `RunnerConfig.batch_invariant`.
+
+XLA picks a matmul's algorithm, and with it the order its sums run in, by the shapes it is given:
+the same row of activations times the same weight can come out with other low bits when the batch
+around it has more or fewer rows (on the CPU already between 1, 2 and 64 rows), and a row's
+reduction (a softmax's sum) differs between one row and several. Cut into tiles of a fixed number
+of rows and run one tile at a time (a loop, which XLA does not fuse back into one call), every row
+goes through a call of one shape, so its bits depend on its own values only: neither on the batch
+size nor on its position in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+TILE_ROWS = 8
+
+
+def row_tiled(f: Callable, rows, *whole):
+    """f(rows, *whole) computed TILE_ROWS rows at a time: `rows` a pytree whose arrays all have the
+    same M rows first (padded with zero rows to whole tiles), `whole` passed to every call as it is."""
+    m = jax.tree.leaves(rows)[0].shape[0]
+    count = -(-m // TILE_ROWS)
+
+    def tiles(a: jax.Array) -> jax.Array:  # (shapes spelled out: a zero-width array has no -1 to infer)
+        padded = jnp.pad(a, ((0, count * TILE_ROWS - m),) + ((0, 0),) * (a.ndim - 1))
+        return padded.reshape(count, TILE_ROWS, *a.shape[1:])
+
+    out = jax.lax.map(lambda tile: f(tile, *whole), jax.tree.map(tiles, rows))
+    return jax.tree.map(lambda a: a.reshape(count * TILE_ROWS, *a.shape[2:])[:m], out)
