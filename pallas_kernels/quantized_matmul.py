@@ -64,14 +64,21 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, num_
         raise ValueError(f"quantized_matmul cannot run x {x.shape} by {values.dtype} {values.shape} with "
                          f"{scales.shape[0]} scale groups: see `supported`")
     if values.dtype == jnp.float8_e4m3fn:
-        xf = x.astype(jnp.float32)
-        x_scales = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / FP8_MAX
-        x_scales = jnp.where(x_scales > 0, x_scales, 1.0)
+        xq, x_scales = fp8_rows(x)
         step = 128 if values.shape[1] % 128 == 0 else 64  # K per pipeline step: one swizzled row of 128 bytes or 64
-        partial = _partial_sums((xf / x_scales).astype(jnp.float8_e4m3fn), values, scales, step, num_sms)
+        partial = _partial_sums(xq, values, scales, step, num_sms)
         return (partial.sum(0).T * x_scales * scales[0]).astype(x.dtype)
     step = values.shape[1] // scales.shape[0]
     return _partial_sums(x.astype(jnp.bfloat16), values, scales, step, num_sms).sum(0).T.astype(x.dtype)
+
+
+def fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x [M, K] in e4m3, float32 scales [M, 1]): each row scaled so its absolute maximum is e4m3's
+    largest value (W8A8's activations, scaled per token as the matmul runs)."""
+    xf = x.astype(jnp.float32)
+    scales = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / FP8_MAX
+    scales = jnp.where(scales > 0, scales, 1.0)
+    return (xf / scales).astype(jnp.float8_e4m3fn), scales
 
 
 def _transforms(cols: int, dtype) -> tuple:

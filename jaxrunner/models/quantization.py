@@ -34,7 +34,7 @@ from jaxrunner.config import quantization_group
 from jaxrunner.pytree import pytree_dataclass
 from pallas_kernels import quantized_matmul
 
-FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
+FP8_MAX = quantized_matmul.FP8_MAX  # e4m3's largest value
 
 
 @pytree_dataclass
@@ -143,14 +143,13 @@ def matmul(x: jax.Array, w: jax.Array | Quantized, *, num_sms: int = 0) -> jax.A
     if num_sms and _unsplit() and quantized_matmul.supported(x.shape[0], w.values, w.scales):
         return quantized_matmul.quantized_matmul(x, w.values, w.scales, num_sms=num_sms)
     # Widened only once its input exists: else XLA widens every layer's weight up front, all of
-    # them live at once (a step's temporaries grew by the model's size in float32).
-    x, w = jax.lax.optimization_barrier((x, w))
+    # them live at once (a step's temporaries grew by the model's size in float32). fp8 ties the
+    # weight to the tokens already scaled to e4m3, which round as they did without the tie.
     if w.values.dtype != jnp.float8_e4m3fn:
+        x, w = jax.lax.optimization_barrier((x, w))
         return x @ dequantize(w, x.dtype)
-    xf = x.astype(jnp.float32)
-    x_scales = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / FP8_MAX
-    x_scales = jnp.where(x_scales > 0, x_scales, 1.0)
-    xq = (xf / x_scales).astype(jnp.float8_e4m3fn)
+    xq, x_scales = quantized_matmul.fp8_rows(x)
+    xq, x_scales, w = jax.lax.optimization_barrier((xq, x_scales, w))
     # Precision stated: an fp32 model's "highest" (`step.matmul_precision`) means nothing for e4m3 operands.
     out = jax.lax.dot_general(xq, w.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                               precision=jax.lax.Precision.DEFAULT)
