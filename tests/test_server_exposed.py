@@ -309,7 +309,7 @@ def test_health_says_starting_until_the_programs_are_ready(monkeypatch):
                                   enforce_eager=False), defer_warm_up=True)
     assert not engine.warm and engine.startup == {}
     release, warmup = threading.Event(), engine.runner.warmup
-    monkeypatch.setattr(engine.runner, "warmup", lambda progress: release.wait(120) and warmup(progress))
+    monkeypatch.setattr(engine.runner, "warmup", lambda *args, **kwargs: release.wait(120) and warmup(*args, **kwargs))
     app = build_app(AsyncLLM(engine), ServerMetrics("tiny"), "tiny")
     with TestClient(app) as client:
         starting = client.get("/health")
