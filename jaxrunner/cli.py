@@ -182,8 +182,8 @@ def _add_bench_parser(commands) -> None:
         workload.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over")
         workload.add_argument("--quantization", choices=QUANTIZATION_FORMATS,
                               help="the layers' weights in this format (the peer stays in bf16)")
-        workload.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                              help="the fraction of device memory the runner may take (weights, KV cache, activations)")
+        workload.add_argument("--gpu-memory-utilization", type=float,
+                              help="the fraction of device memory the runner may take (default: the engine's)")
 
 
 def bench(args: argparse.Namespace) -> int:

@@ -86,7 +86,7 @@ def run(
     oracle: int = 0,
     tensor_parallel_size: int = 1,
     quantization: str | None = None,
-    gpu_memory_utilization: float = 0.9,
+    gpu_memory_utilization: float | None = None,
 ) -> dict:
     """One warm-up generation (every graph compiled), then `iters` timed ones, each with a fresh
     random prompt; the peer runs first, in its own process, on the same prompts."""
@@ -105,8 +105,8 @@ def run(
         args.update(tensor_parallel_size=tensor_parallel_size)
     if quantization:
         args.update(quantization=quantization)
-    if gpu_memory_utilization != 0.9:
-        args.update(gpu_memory_utilization=gpu_memory_utilization)
+    memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
+    args.update(memory)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, model.vocab_size, prompt).tolist() for _ in range(iters + 1)]
@@ -128,7 +128,7 @@ def run(
         speculative_config=speculative_config,
         tensor_parallel_size=tensor_parallel_size,
         quantization=quantization,
-        gpu_memory_utilization=gpu_memory_utilization,
+        **memory,
     )
     engine = llm.llm_engine
     bar = tqdm(prompts, desc="W1 latency (warm-up + runs)")

@@ -46,7 +46,7 @@ def run(
     tensor_parallel_size: int = 1,
     quantization: str | None = None,
     data_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.9,
+    gpu_memory_utilization: float | None = None,
 ) -> dict:
     """A short warm-up generation (a few requests, prompts of their own so the prefix cache cannot
     serve the timed ones), then one timed `generate` of all the requests; the peer runs first, in
@@ -66,8 +66,8 @@ def run(
         args.update(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
     if quantization:
         args.update(quantization=quantization)
-    if gpu_memory_utilization != 0.9:
-        args.update(gpu_memory_utilization=gpu_memory_utilization)
+    memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
+    args.update(memory)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_prompt, max_prompt + 1, num_prompts)
@@ -89,7 +89,7 @@ def run(
         speculative_config=speculative_config,
         tensor_parallel_size=tensor_parallel_size,
         quantization=quantization,
-        gpu_memory_utilization=gpu_memory_utilization,
+        **memory,
         data_parallel_size=data_parallel_size,
         **lora_args,
     )

@@ -166,7 +166,8 @@ class EngineArgs:
 
 
 def conversion_dtype(args: EngineArgs) -> str:
-    """The dtype a GGUF checkpoint converts into: `resolve_dtype`'s for it (a converted GGUF names none)."""
+    """The dtype when no checkpoint names one: `dtype` as given, else float32 on CPU and bfloat16 on
+    GPU. A GGUF checkpoint converts into it (`model_files.converted`)."""
     if args.dtype != "auto":
         return args.dtype
     return "bfloat16" if platform.on_gpu() else "float32"
@@ -174,18 +175,13 @@ def conversion_dtype(args: EngineArgs) -> str:
 
 def resolve_dtype(args: EngineArgs) -> str:
     """dtype "auto" is float32 on CPU; on GPU the checkpoint's dtype (bfloat16 if it names none or float32)."""
-    if args.dtype != "auto":
-        return args.dtype
-    if not platform.on_gpu():
-        return "float32"
-    if args.model is not None and os.path.isdir(args.model):
-        path = os.path.join(args.model, "config.json")
-        with open(path) as f:
+    if args.dtype == "auto" and platform.on_gpu() and args.model is not None and os.path.isdir(args.model):
+        with open(os.path.join(args.model, "config.json")) as f:
             hf = json.load(f)
         stored = hf.get("dtype") or hf.get("torch_dtype")
         if stored in ("bfloat16", "float16"):
             return stored
-    return "bfloat16"
+    return conversion_dtype(args)
 
 
 def runner_config(

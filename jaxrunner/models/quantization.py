@@ -16,8 +16,9 @@ weight to it. Scales and offsets are float32, a small part of the bytes.
 
 The values are held K-major, [..., N, K] (as Hugging Face stores a linear weight, and as Hopper's
 tensor cores read an fp8 operand), the scales [..., G, N]. On a GPU, decode-shaped calls (a few
-token rows) of fp8 and int8 run the Mosaic kernel `pallas_kernels.quantized_matmul`, which streams
-the weight near the copy bandwidth where XLA reads it at a fraction of it; the rest run through XLA.
+token rows) of fp8 and int8 run the Mosaic kernel `pallas_kernels.quantized_matmul`, which reads
+the weight once as stored (XLA widens int8 in memory first, and tiles fp8 for more rows than a
+decode has); the rest run through XLA.
 """
 
 from __future__ import annotations

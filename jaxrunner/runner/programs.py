@@ -223,7 +223,7 @@ class Programs:
     def warmup_programs(self, serving: Context | None = None) -> list[Program]:
         """Every program a runner of this context can ask for; or, serving with `serving`'s buckets
         (`plan.bucket_tiers`), the programs those ask for."""
-        plans = None if serving is None else warmup_plans(serving)
+        plans = None if serving is None or serving == self.ctx else warmup_plans(serving)
         return [p for kind in KINDS for p in self.examples(kind, plans)]
 
     def warm_up(self, programs: Sequence[Program] | None = None, progress: Progress = lambda done, total: None,
