@@ -13,6 +13,7 @@
 #   bash benchmarks/serving.sh serve      # W2's requests through `jaxrunner serve` (HTTP, streamed), then W2 offline (needs fastapi, uvicorn, openai)
 #   bash benchmarks/serving.sh families   # Gemma, MoE and KV-cache groups on the GPU: parity, the engine's groups, fp8's logit error
 #   bash benchmarks/serving.sh moe        # the Qwen3-30B-A3B shape's decode at batch 1 and 64, each with the HF peer
+#   bash benchmarks/serving.sh offload    # the prefix cache's host tier: TTFT of 8k prefixes revisited after eviction, recomputed vs loaded (8B shape)
 #   bash benchmarks/serving.sh quant      # W1 in bf16 (with the HF peer), fp8, int8 and int4; W2 in bf16 and fp8; the kernel's matmuls
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -37,6 +38,8 @@ case "$1" in
       python3 benchmarks/profile.py --batch 1 --context 128 --steps 16 --decode-steps 8 $form | head -12
     done
     timeout 300 python3 benchmarks/batch_sweep.py --shape llama3-8b --context 1024 ;;
+  offload)
+    timeout 590 python3 benchmarks/kv_offload.py --shape llama3-8b --prefix 8192 --users 4 --rounds 2 --warm-up 2>&1 | tail -4 ;;
   throughput)
     timeout 590 python3 -m jaxrunner.cli bench throughput --json "$OUT/w2.json" 2>&1 | tr '\r' '\n' | tail -8 ;;
   spec)

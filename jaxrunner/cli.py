@@ -61,6 +61,7 @@ ENGINE_FLAGS = (
     ("max_num_batched_tokens", int, None),
     ("gpu_memory_utilization", float, None),
     ("num_gpu_blocks_override", int, None),
+    ("kv_offloading_size", float, "GiB of host memory for the prefix cache's evicted KV blocks (a second tier)"),
     ("seed", int, "engine seed: requests without their own seed draw one from it"),
     ("kernels", str, "auto (Pallas on a GPU), pallas (interpreted off a GPU) or reference"),
     ("load_format", str, "auto, or dummy: random weights in the shape --model names (e.g. qwen3-0.6b)"),

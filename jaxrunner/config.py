@@ -464,7 +464,8 @@ class RunnerConfig:
     on JAX's persistent compilation cache (process-wide) there, and the runner's program cache in
     its `programs` folder (`program_cache`: found without lowering). `batch_invariant`: a request's
     tokens and logprobs do not depend on the batch it runs in (`Kernels.batch_invariant`); not with
-    speculative decoding, LoRA, tensor parallelism or an MoE model yet.
+    speculative decoding, LoRA, tensor parallelism or an MoE model yet. `num_host_blocks`: the
+    blocks of the prefix cache's host tier (`runner.host_kv`; 0: none).
     """
 
     max_num_seqs: int = 8
@@ -488,12 +489,15 @@ class RunnerConfig:
     token_buckets: tuple[int, ...] = field(default=())
     request_buckets: tuple[int, ...] = field(default=())
     batch_invariant: bool = False
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks",
                      "num_scheduler_steps", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunnerConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
+            raise ValueError(f"RunnerConfig.num_host_blocks must be an integer of at least 0, got {self.num_host_blocks!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"RunnerConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

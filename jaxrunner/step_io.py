@@ -71,6 +71,28 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class KVTransfers:
+    """The KV blocks that move between the device's cache and the host tier (`engine.host_tier`)
+    with a step. `saves`: (device block, host slot) pairs, copied to the host before the step
+    writes anything (the blocks were just evicted from the device's prefix cache). `loads`: (host
+    slot, device block) pairs, read from the host now and written into the cache before the next
+    step runs, so that the copy overlaps this step and no request reads them in this one."""
+
+    saves: tuple[tuple[int, int], ...] = ()
+    loads: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("saves", "loads"):
+            pairs = getattr(self, name)
+            if not isinstance(pairs, (tuple, list)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+                reject(f"kv_transfers.{name} must be (block, slot) pairs, got {pairs!r:.60}")
+            _ints(f"kv_transfers.{name}", [i for pair in pairs for i in pair])
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads)
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """`num_steps` > 1 asks for multi-step decode: every scheduled request is a one-token decode, and
     each runs up to `num_steps` steps in one device call (`decode_steps` says how many; its blocks
@@ -81,6 +103,8 @@ class SchedulerOutput:
     request r's 1 + len(drafts) masks (for its next token, then after each draft) start at row
     structured_output_request_ids[r]. vLLM's layout. The engine's scheduler leaves `grammar_bitmask`
     None: it fills the masks while the forward pass runs and hands them to `Runner.sample_tokens`.
+
+    `kv_transfers`: the blocks moving to and from the host tier with this step (`KVTransfers`).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -93,8 +117,11 @@ class SchedulerOutput:
     num_steps: int = 1
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None
+    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_transfers, KVTransfers):
+            reject(f"kv_transfers must be a KVTransfers, got {type(self.kv_transfers).__name__}")
         _ints("num_scheduled_tokens", list(self.num_scheduled_tokens.values()))
         _ints("total_num_scheduled_tokens and num_steps", [self.total_num_scheduled_tokens, self.num_steps])
         for rid, ids in self.scheduled_spec_decode_tokens.items():

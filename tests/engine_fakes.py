@@ -6,17 +6,23 @@ model whose "KV cache" stores token ids. Each step writes the scheduled tokens i
 reads every scheduled request's context back through its block table, so a block handed to the
 wrong request, shared when it should not be or evicted while in use shows up as a wrong context.
 With several KV-cache groups (`windows`, one per group) every group's blocks get the tokens, and a
-sliding group's are read back over its window only.
+sliding group's are read back over its window only. With `host_blocks`, it keeps a host tier's pool
+and copies blocks in `runner.host_kv`'s order: the loads that arrived written first, this step's
+loads read, then this step's saves taken; a step's loads arrive `load_delay` steps later than
+they could. A copy in the wrong order, to the wrong block or read too soon shows up as a wrong
+context too.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from dataclasses import dataclass
 
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.step_io import RunnerOutput, SchedulerOutput, decode_steps
+from jaxrunner.step_io import KVTransfers, RunnerOutput, SchedulerOutput, decode_steps
 
 VOCAB = 50
 
@@ -52,7 +58,7 @@ class _Row:
 class FakeRunner:
     def __init__(
         self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 64,
-        windows: tuple[int | None, ...] = (None,),
+        windows: tuple[int | None, ...] = (None,), host_blocks: int = 0, load_delay: int = 0,
     ) -> None:
         self.windows = windows
         self.max_model_len = max_model_len
@@ -61,9 +67,33 @@ class FakeRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.rows: dict[str, _Row] = {}
+        self.host: list[list[int | None]] = [[None] * block_size for _ in range(host_blocks)]
+        self.load_delay = load_delay
+        self.steps = 0
+        self._arriving: deque[tuple[int, list[tuple[int, list[int | None]]]]] = deque()  # (arrival step, pages)
+        self._written = 0
+        self.num_loaded = 0
+
+    def arrived(self) -> int:
+        """`HostKV.arrived`: the load batches written, then those arrived by now."""
+        return self._written + sum(1 for _ in itertools.takewhile(lambda b: b[0] <= self.steps, self._arriving))
+
+    def _transfer(self, transfers: KVTransfers) -> None:
+        for _ in range(self.arrived() - self._written):
+            for block, page in self._arriving.popleft()[1]:
+                self.cache[block] = page
+            self._written += 1
+        if transfers.loads:
+            self._arriving.append((self.steps + 1 + self.load_delay,
+                                   [(block, list(self.host[slot])) for slot, block in transfers.loads]))
+        for block, slot in transfers.saves:
+            self.host[slot] = list(self.cache[block])
+        self.num_loaded += len(transfers.loads)
 
     def step(self, sched: SchedulerOutput) -> RunnerOutput:
         bs = self.block_size
+        self._transfer(sched.kv_transfers)
+        self.steps += 1
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             self.rows.pop(rid, None)
         for new in sched.scheduled_new_reqs:
@@ -123,7 +153,7 @@ def check_block_invariants(bm: BlockManager) -> None:
     """Reference counts equal owners; the free queue is exactly the unowned blocks; a block held by
     several requests is a cached full block; the hash map and the blocks' hashes agree."""
     owners = [0] * bm.num_blocks
-    for groups in bm.req_blocks.values():
+    for groups in [*bm.req_blocks.values(), *bm.parked.values()]:
         assert len(groups) == len(bm.windows) and len({len(held) for held in groups}) == 1
         blocks = [b for held in groups for b in held if b >= bm.num_reserved]  # the null block is no one's
         assert len(set(blocks)) == len(blocks), "a request holds a block twice"
@@ -133,6 +163,9 @@ def check_block_invariants(bm: BlockManager) -> None:
     assert set(bm.free_queue) == {b for b in range(bm.num_reserved, bm.num_blocks) if bm.ref_counts[b] == 0}
     assert all(bm.block_hash[b] is not None for b in range(bm.num_blocks) if bm.ref_counts[b] > 1)
     assert {b: h for h, b in bm.cached.items()} == {b: h for b, h in enumerate(bm.block_hash) if h is not None}
+    if bm.host_tier is not None:
+        slots = list(bm.host_tier.slots.values())
+        assert len(set(slots)) == len(slots) <= bm.host_tier.num_slots and all(0 <= s < bm.host_tier.num_slots for s in slots)
 
 
 def check_scheduler_invariants(scheduler: Scheduler) -> None:
@@ -142,3 +175,5 @@ def check_scheduler_invariants(scheduler: Scheduler) -> None:
     for request in scheduler.running:
         assert all(len(held) * bm.block_size >= request.num_computed_tokens for held in bm.block_ids(request.req_id))
     assert all(not any(bm.block_ids(r.req_id)) for r in scheduler.waiting), "a waiting request holds blocks"
+    assert len(scheduler.running) + len(scheduler.loading) <= cfg.max_num_seqs
+    assert all(any(bm.block_ids(rid)) for rid in scheduler.loading), "a loading request holds no blocks"

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxrunner.engine.block_manager import BlockManager, blocks_to_hold, null_blocks
+from jaxrunner.engine.host_tier import HostTier
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler, SchedulerConfig
 from jaxrunner.sampling_params import SamplingParams
@@ -18,13 +19,14 @@ from jaxrunner.step_io import RunnerOutput
 
 
 def make(max_num_seqs=4, budget=8, max_model_len=64, block_size=4, num_blocks=64, caching=True, num_steps=1,
-         windows=(None,)):
-    """`windows`: each KV-cache group's sliding window (None: full attention)."""
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs, budget, max_model_len, num_steps),
-        BlockManager(num_blocks, block_size, caching, windows),
-    )
-    return scheduler, FakeRunner(num_blocks, block_size, max_num_seqs, budget, max_model_len, windows)
+         windows=(None,), host_blocks=0, load_delay=0):
+    """`windows`: each KV-cache group's sliding window (None: full attention). `host_blocks`: a host
+    tier's, whose loads arrive `load_delay` steps later than they could."""
+    runner = FakeRunner(num_blocks, block_size, max_num_seqs, budget, max_model_len, windows, host_blocks, load_delay)
+    host_tier = HostTier(host_blocks, runner.arrived) if host_blocks else None
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, num_steps),
+                          BlockManager(num_blocks, block_size, caching, windows, host_tier=host_tier))
+    return scheduler, runner
 
 
 def req(req_id: str, prompt_len: int, max_tokens: int = 8, first: int = 0, **params) -> Request:
@@ -214,8 +216,61 @@ def test_shared_prefix_is_computed_once():
         assert r.output_token_ids == reference_output(r.prompt_token_ids, 3, 64, None)
 
 
+def test_an_evicted_prefix_comes_back_from_the_host_tier():
+    """A prefix evicted from the device's cache goes to the host tier; a later request with it
+    loads it back instead of computing it. It waits one step for its blocks (the copy overlaps that
+    step), then runs from past the prefix, and the fake runner reads the copied tokens back."""
+    scheduler, runner = make(budget=64, num_blocks=8, host_blocks=16, max_model_len=32)
+    a = req("a", 17, max_tokens=2)  # its first four blocks are full and cached
+    run_all(scheduler, runner, {0: [a]})
+    run_all(scheduler, runner, {0: [req("b", 26, max_tokens=2, first=40)]})  # evicts three of them
+    assert runner.num_loaded == 0 and scheduler.block_manager.host_tier.stats.blocks_saved == 3
+    c = Request("c", a.prompt_token_ids + [5, 6, 7], SamplingParams(), max_tokens=3)
+    scheduler.add_request(c)
+    sched, _ = step(scheduler, runner)
+    assert sched.num_scheduled_tokens == {} and "c" in scheduler.loading
+    assert len(sched.kv_transfers.loads) == 3 and len(sched.kv_transfers.saves) == 3  # b's blocks make room
+    sched, _ = step(scheduler, runner)
+    assert [(n.req_id, n.num_computed_tokens) for n in sched.scheduled_new_reqs] == [("c", 16)]
+    assert sched.num_scheduled_tokens == {"c": 4}
+    run_all(scheduler, runner, {})
+    assert c.output_token_ids == reference_output(c.prompt_token_ids, 3, 32, None)
+    assert scheduler.block_manager.host_tier.stats.hits == 12 and runner.num_loaded == 3
+
+
+def test_a_request_waits_for_its_loads_and_one_that_ends_meanwhile_keeps_its_blocks_until_then():
+    """Loads that take three more steps: the request runs once they have arrived. One aborted while
+    its loads are on their way gives its blocks back only when they have arrived (sooner, a new
+    request would have them overwritten under it); its id can be used again meanwhile."""
+    scheduler, runner = make(budget=64, num_blocks=8, host_blocks=16, max_model_len=32, load_delay=3)
+    a = req("a", 17, max_tokens=2)
+    run_all(scheduler, runner, {0: [a]})
+    run_all(scheduler, runner, {0: [req("b", 26, max_tokens=2, first=40)]})
+    c = Request("c", a.prompt_token_ids + [5], SamplingParams(), max_tokens=3)
+    scheduler.add_request(c)
+    for _ in range(4):
+        sched, _ = step(scheduler, runner)
+        assert not sched.num_scheduled_tokens and "c" in scheduler.loading
+    sched, _ = step(scheduler, runner)
+    assert sched.num_scheduled_tokens == {"c": 2}
+    run_all(scheduler, runner, {})
+    assert c.output_token_ids == reference_output(c.prompt_token_ids, 3, 32, None)
+
+    run_all(scheduler, runner, {0: [req("b2", 26, max_tokens=2, first=40)]})  # evicts a's prefix again
+    scheduler.add_request(Request("c", a.prompt_token_ids + [6], SamplingParams(), max_tokens=3))
+    step(scheduler, runner)
+    held = scheduler.block_manager.num_free_blocks
+    scheduler.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.block_manager.num_free_blocks == held and scheduler.has_unfinished_requests()
+    d = Request("c", list(range(3, 23)), SamplingParams(), max_tokens=2)  # the same id, while the blocks are parked
+    run_all(scheduler, runner, {0: [d]})  # checks every block came back, and d's context
+    assert d.output_token_ids == reference_output(d.prompt_token_ids, 2, 32, None)
+
+
 @st.composite
-def workloads(draw):
+def workloads(draw, offload: bool = False):
+    """`offload`: a device cache with little room beyond one request and a host tier, and requests
+    arriving over a longer time, so that prefixes come back after their eviction."""
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     max_model_len = draw(st.integers(4, 40))
     budget = draw(st.integers(1, 32))
@@ -227,23 +282,25 @@ def workloads(draw):
         "max_model_len": max_model_len,
         "max_num_seqs": draw(st.integers(1, 5)),
         "budget": budget,
-        "num_blocks": draw(st.integers(min_blocks, 3 * min_blocks)),
-        "caching": draw(st.booleans()),
+        "num_blocks": draw(st.integers(min_blocks, min_blocks + 2 if offload else 3 * min_blocks)),
+        "caching": offload or draw(st.booleans()),
         "windows": windows,
+        "host_blocks": draw(st.sampled_from([1, 3, 16, 64] if offload else [0, 16])),
+        "load_delay": draw(st.integers(0, 3)) if offload else 0,
     }
     tokens = st.integers(0, VOCAB - 1)
-    prefixes = draw(st.lists(st.lists(tokens, max_size=16), min_size=1, max_size=3))
+    prefixes = draw(st.lists(st.lists(tokens, min_size=4 * offload, max_size=16), min_size=1, max_size=3))
     requests = draw(
         st.lists(
             st.tuples(
-                st.integers(0, 12),  # arrival step
+                st.integers(0, 40 if offload else 12),  # arrival step
                 st.integers(0, len(prefixes) - 1),  # shared prefix
                 st.lists(tokens, max_size=10),  # own suffix
                 st.integers(1, 16),  # max_tokens
                 st.one_of(st.none(), tokens),  # EOS
             ),
             min_size=1,
-            max_size=8,
+            max_size=12 if offload else 8,
         )
     )
     return config, prefixes, requests
@@ -257,6 +314,21 @@ def test_random_workloads_respect_budgets_and_finish_correctly(async_scheduling,
     context back through the block tables), and every request finishes with the tokens it would
     produce alone: also when steps are scheduled before the last output is back, and with
     multi-step decode (whose extra tokens past a stop are dropped)."""
+    run_workload(workload, async_scheduling, num_steps)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("async_scheduling, num_steps", [(False, 1), (True, 1), (True, 4)])
+@given(workloads(offload=True))
+def test_random_workloads_with_a_host_tier(async_scheduling, num_steps, workload):
+    """The same, where evicted prefixes come back from a host tier, their loads taking up to three
+    steps more: the fake runner copies blocks in the runner's order, so a block loaded wrong, read
+    before it arrived, or written over a block in use shows up, and a run that stops progressing
+    (requests holding blocks for their loads while others need them) fails."""
+    run_workload(workload, async_scheduling, num_steps)
+
+
+def run_workload(workload, async_scheduling: bool, num_steps: int) -> None:
     config, prefixes, specs = workload
     scheduler, runner = make(**config, num_steps=num_steps)
     arrivals: dict[int, list[Request]] = {}

@@ -16,6 +16,12 @@ gets one list of blocks per group per request, all from the one pool. A sliding 
 the blocks its window has passed (keeping them findable), so a long request holds its whole length
 only in the full groups; the entries given back point at the null block, reserved for that. A
 prefix hit must then hold, in every sliding group, the blocks of the window before the hit.
+
+With a host tier (`host_tier.HostTier`), a cached block that the free queue evicts is copied to
+host memory first, and a prefix hit may continue there: each such block (a `HostBlock` among the
+hits) gets a fresh device block that the runner copies it into before the next step. Those blocks
+are registered only by the request's next allocation, so no request reads them before they
+arrive (the scheduler holds the request back a step: `Scheduler.loading`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jaxrunner.engine.host_tier import HostTier
 from jaxrunner.engine.request import Request
 
 
@@ -52,6 +59,17 @@ class PrefixCacheStats:
 NULL_BLOCK = 0  # what a sliding group's given-back entries point at: never allocated, never written
 
 
+@dataclass(frozen=True)
+class HostBlock:
+    """A prefix-cache hit in the host tier's `slot`: it needs a device block to be copied into."""
+
+    slot: int
+
+
+def needs_load(hits: Sequence[Sequence[int | HostBlock]]) -> bool:
+    return any(isinstance(b, HostBlock) for hit in hits for b in hit)
+
+
 def blocks_to_hold(num_tokens: int, block_size: int, windows: Sequence[int | None], chunk: int, lookbehind: int = 0) -> int:
     """The most blocks, over all groups, that one request of `num_tokens` tokens holds at once
     when a step computes at most `chunk` of its tokens (`lookbehind`: as `BlockManager`'s)."""
@@ -70,16 +88,18 @@ class BlockManager:
 
     `windows`: the sliding window of each KV-cache group (None: full attention). `lookbehind`: the
     tokens a sliding group keeps before its window as well, for a step whose computed count is an
-    upper bound (speculative decoding counts every draft in flight as accepted).
+    upper bound (speculative decoding counts every draft in flight as accepted). `host_tier`: where
+    evicted cached blocks go, and where a prefix hit continues (None: nowhere).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 windows: Sequence[int | None] = (None,), lookbehind: int = 0) -> None:
+                 windows: Sequence[int | None] = (None,), lookbehind: int = 0, host_tier: HostTier | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.windows = tuple(windows)
         self.lookbehind = lookbehind
+        self.host_tier = host_tier if enable_caching else None
         self.num_reserved = null_blocks(self.windows)
         if num_blocks <= self.num_reserved:
             raise ValueError(f"num_blocks={num_blocks} leaves no block to allocate")
@@ -88,6 +108,7 @@ class BlockManager:
         self.cached: dict[tuple[int, bytes], int] = {}
         self.block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks
         self.req_blocks: dict[str, list[list[int]]] = {}
+        self.parked: dict[int, list[list[int]]] = {}  # blocks held for no request (`park`)
         self._num_registered: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
@@ -103,8 +124,9 @@ class BlockManager:
         """The request's blocks, one list per group."""
         return tuple(map(list, self.req_blocks.get(req_id, [[] for _ in self.windows])))
 
-    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[int], ...], int]:
-        """Cached blocks (per group) that start the request's tokens, and how many tokens they cover.
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[int | HostBlock], ...], int]:
+        """Cached blocks (per group) that start the request's tokens, and how many tokens they cover;
+        those only the host tier holds are `HostBlock`s.
 
         The last token is always left to compute (the runner needs its logits), so a prompt that is
         entirely cached still runs one token, as in vLLM. A request asking for prompt logprobs gets
@@ -127,20 +149,27 @@ class BlockManager:
             return none, 0
         hits = tuple(
             [NULL_BLOCK] * (first := self._first_needed(g, n * self.block_size))
-            + [self.cached[(g, h)] for h in hashes[first:n]]
+            + [self._lookup((g, h)) for h in hashes[first:n]]
             for g in range(len(self.windows))
         )
         return hits, n * self.block_size
 
+    def _lookup(self, key: tuple[int, bytes]) -> int | HostBlock:
+        """A cached block: the device's, else the host tier's (`_cached_runs` found it in one)."""
+        block = self.cached.get(key)
+        return block if block is not None else HostBlock(self.host_tier.find(key))
+
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Sequence[int]] = ()
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Sequence[int | HostBlock]] = ()
     ) -> tuple[list[int], ...] | None:
         """Give the request blocks for `num_new_tokens` more tokens; the fresh block ids per group,
         or None (nothing changed but the release below) when the free queue cannot supply them.
 
         `computed_blocks` are prefix-cache hits from `get_computed_blocks`, for a request that holds
-        no blocks yet; they come before the tokens counted in `request.num_computed_tokens`. The
-        sliding groups first give back the blocks their windows no longer reach.
+        no blocks yet; they come before the tokens counted in `request.num_computed_tokens`. Each
+        `HostBlock` among them takes a fresh block that the host tier loads; the request's blocks are
+        then registered by its next allocation, once they have arrived. The sliding groups first
+        give back the blocks their windows no longer reach.
         """
         blocks = self.req_blocks.setdefault(request.req_id, [[] for _ in self.windows])
         first_allocation = not blocks[0]
@@ -152,25 +181,37 @@ class BlockManager:
             self._release_behind(blocks[g], self._first_needed(g, start))
         length = -(-total // self.block_size)
         needed = [max(length - len(held) - len(hit), 0) for held, hit in zip(blocks, hits)]
-        hits_in_queue = sum(1 for hit in hits for b in hit if b >= self.num_reserved and self.ref_counts[b] == 0)
-        if sum(needed) > len(self.free_queue) - hits_in_queue:
+        on_device = [b for hit in hits for b in hit if not isinstance(b, HostBlock) and b >= self.num_reserved]
+        num_loads = sum(isinstance(b, HostBlock) for hit in hits for b in hit)
+        if sum(needed) + num_loads > len(self.free_queue) - sum(self.ref_counts[b] == 0 for b in on_device):
             if first_allocation:
                 del self.req_blocks[request.req_id]
             return None
-        for block in (b for hit in hits for b in hit if b >= self.num_reserved):
+        for block in on_device:
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
             self.ref_counts[block] += 1
+        for held, hit in zip(blocks, hits):
+            held += [self._load(b) if isinstance(b, HostBlock) else b for b in hit]
         fresh = tuple([self._pop_free() for _ in range(n)] for n in needed)
-        for held, hit, more in zip(blocks, hits, fresh):
-            held += list(hit) + more
+        for held, more in zip(blocks, fresh):
+            held += more
         if first_allocation and self.enable_caching and request.num_preemptions == 0:
             self.stats.requests += 1
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_tokens
-        if self.enable_caching:
+            if num_loads:
+                loaded = {i for hit in hits for i, b in enumerate(hit) if isinstance(b, HostBlock)}
+                self.host_tier.stats.hits += len(loaded) * self.block_size
+        if self.enable_caching and not num_loads:
             self._register_full_blocks(request, blocks, min(total, request.num_tokens) // self.block_size)
         return fresh
+
+    def _load(self, hit: HostBlock) -> int:
+        """A fresh device block that the host tier copies `hit` into."""
+        block = self._pop_free()
+        self.host_tier.load(hit.slot, block)
+        return block
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; the tail goes to the front of the queue (evicted first),
@@ -179,6 +220,19 @@ class BlockManager:
             for block in reversed(held):
                 self._release(block)
         self._num_registered.pop(request.req_id, None)
+
+    def park(self, request: Request) -> int:
+        """Hold the request's blocks for no request (its id may come back) until `unpark`: those
+        of a request that ended while the host tier's copies into them are on their way."""
+        token = max(self.parked, default=-1) + 1
+        self.parked[token] = self.req_blocks.pop(request.req_id)
+        self._num_registered.pop(request.req_id, None)
+        return token
+
+    def unpark(self, token: int) -> None:
+        for held in self.parked.pop(token):
+            for block in reversed(held):
+                self._release(block)
 
     def _first_needed(self, group: int, num_computed: int) -> int:
         """The first block the group's attention still reads once `num_computed` tokens are computed."""
@@ -205,9 +259,12 @@ class BlockManager:
         """run[i]: how many blocks up to block i (included) the group has cached, back to back."""
         runs, run = [], 0
         for h in hashes:
-            run = run + 1 if (group, h) in self.cached else 0
+            run = run + 1 if (group, h) in self.cached or self._in_host((group, h)) else 0
             runs.append(run)
         return runs
+
+    def _in_host(self, key: tuple[int, bytes]) -> bool:
+        return self.host_tier is not None and self.host_tier.find(key) is not None
 
     def _pop_free(self) -> int:
         block, _ = self.free_queue.popitem(last=False)
@@ -215,6 +272,8 @@ class BlockManager:
         if old_key is not None:
             del self.cached[old_key]
             self.block_hash[block] = None
+            if self.host_tier is not None:
+                self.host_tier.offload(block, old_key)
         self.ref_counts[block] = 1
         return block
 

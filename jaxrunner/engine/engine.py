@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import jax
 
 from jaxrunner.engine.block_manager import BlockManager
+from jaxrunner.engine.host_tier import HostTier
 from jaxrunner.engine.default_model import default_tokenizer
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.engine.engine_args import (
@@ -149,9 +150,10 @@ class LLMEngine:
         self.startup: dict = {}  # the start-up report: seconds per phase, programs, KV cache size
         self._phases = {"load_seconds": round(loaded - start, 2), "kv_sizing_seconds": round(sized - loaded, 2)}
         self.warm = not warm_up(args)  # every program a step can run compiled (or none to compile ahead)
+        host_tier = HostTier(self.config.num_host_blocks, self.runner.host_kv.arrived) if self.runner.host_kv else None
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching,
                                           self.model_config.group_windows,
-                                          self.config.speculative.num_speculative_tokens)
+                                          self.config.speculative.num_speculative_tokens, host_tier)
         self.scheduler = Scheduler(scheduler_config(self.config, self.model_config.vocab_size), self.block_manager)
         self._grammars: GrammarCompiler | None = None  # made for the first structured-output request
         self._compiling: list[tuple[_Parent, Future]] = []  # requests whose grammar is on its way
@@ -376,15 +378,19 @@ class LLMEngine:
         self._closed = True
 
     def stats(self) -> EngineStats:
-        cache = self.block_manager.stats
+        cache, host, copies = self.block_manager.stats, self.block_manager.host_tier, self.runner.host_kv
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading),
             kv_cache_usage=self.block_manager.usage,
             prefix_cache_queries=cache.queries,
             prefix_cache_hits=cache.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_nans_in_logits=self.scheduler.num_nans_in_logits,
+            kv_offload_hits=host.stats.hits if host is not None else 0,
+            kv_offload_bytes_saved=copies.stats.bytes_saved if copies is not None else 0,
+            kv_offload_bytes_loaded=copies.stats.bytes_loaded if copies is not None else 0,
+            kv_offload_seconds=copies.stats.seconds if copies is not None else 0.0,
             spec_decoding=self.scheduler.spec_stats.as_dict() if self.config.speculative.enabled else {},
         )
 

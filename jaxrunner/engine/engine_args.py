@@ -68,7 +68,10 @@ class EngineArgs:
     `quantization`: how the layers' linear weights are held, None (the dtype), "fp8" (W8A8), "int8"
     or "int4" (weight-only), quantized from the checkpoint as it loads (`models.quantization`).
     `generation_config`: where requests' sampling defaults come from, "auto" (the model's
-    generation_config.json), "vllm" (SamplingParams' own) or a directory (`engine.generation_config`)."""
+    generation_config.json), "vllm" (SamplingParams' own) or a directory (`engine.generation_config`).
+    `kv_offloading_size`: GiB of host memory for the prefix cache's second tier (vLLM's name): blocks
+    evicted from the device are kept there, and a prefix found there is copied back instead of
+    computed again (`engine.host_tier`); needs enable_prefix_caching."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -103,6 +106,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     generation_config: str = "auto"
+    kv_offloading_size: float | None = None
 
     def __post_init__(self) -> None:
         where = "EngineArgs"
@@ -130,6 +134,12 @@ class EngineArgs:
         if not (is_real(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         check_generation_config(self.generation_config)
+        if self.kv_offloading_size is not None:
+            if not (is_real(self.kv_offloading_size) and self.kv_offloading_size > 0):
+                raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {self.kv_offloading_size!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offloading_size keeps the prefix cache's evicted blocks in host memory, so it needs "
+                                 "enable_prefix_caching=True")
         check_int(where, "max_loras", self.max_loras, 1)
         self.create_runner_config()  # RunnerConfig's rules (and its parts'), before anything loads
 
@@ -203,6 +213,7 @@ def runner_config(
         compilation_cache_dir=os.path.join(cache_dir(), "xla"),
     )
     cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes, draft))
+    cfg = dataclasses.replace(cfg, num_host_blocks=_num_host_blocks(args, model, cfg, draft))
     if (cfg.num_blocks - null_blocks(model.group_windows)) < (need := request_blocks(model, cfg, max_model_len)):
         raise ValueError(
             f"the KV cache ({cfg.num_blocks} blocks of {cfg.block_size} tokens) cannot hold one sequence of "
@@ -210,6 +221,19 @@ def runner_config(
             "num_gpu_blocks_override / gpu_memory_utilization or lower max_model_len"
         )
     return cfg
+
+
+def _num_host_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig,
+                     draft: tuple[ModelConfig, Params] | None) -> int:
+    """The host tier's blocks in kv_offloading_size GiB: whole blocks, every device's share of them."""
+    if args.kv_offloading_size is None:
+        return 0
+    per_block = bytes_per_block(model, cfg, draft[0] if draft else None) * cfg.tensor_parallel_size
+    num = int(args.kv_offloading_size * 2**30) // per_block
+    if num < 1:
+        raise ValueError(f"kv_offloading_size={args.kv_offloading_size} GiB holds no KV block of {per_block} bytes; "
+                         "raise it")
+    return num
 
 
 def request_blocks(model: ModelConfig, cfg: RunnerConfig, num_tokens: int) -> int:

@@ -69,6 +69,12 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_nans_in_logits: int
+    # The prefix cache's host tier (`engine.host_tier`; zeros without one): prompt tokens found
+    # there (among prefix_cache_hits), bytes copied each way, host time the copies took.
+    kv_offload_hits: int = 0
+    kv_offload_bytes_saved: int = 0
+    kv_offload_bytes_loaded: int = 0
+    kv_offload_seconds: float = 0.0
     # Speculative decoding (empty when off): drafts, accepted drafts, acceptance rate overall and
     # per draft position, mean tokens per decode with drafts (`scheduler.SpecDecodingStats`).
     spec_decoding: dict = field(default_factory=dict)

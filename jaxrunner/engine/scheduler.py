@@ -32,17 +32,25 @@ waits for its step in flight. Structured requests never run in a multi-step call
 
 A request with a LoRA adapter is admitted only while the running requests use at most `max_loras`
 adapters with it (the runner's device slots); the others wait in their place in the queue.
+
+With a host tier, a waiting request whose prefix hit continues in host memory is a cheap prefill:
+it takes its blocks (the host ones among them copied in from this step on, `SchedulerOutput.
+kv_transfers`) and waits in `loading` until they have arrived (`HostTier.arrived`), so the copy
+overlaps the steps and none waits on it; then it is admitted before the waiting requests. One that
+ends meanwhile keeps its blocks until they have arrived: given to another request sooner, they
+would be overwritten under it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxrunner.engine.block_manager import BlockManager
+from jaxrunner.engine.block_manager import BlockManager, needs_load
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.structured_output import fill_bitmask
 from jaxrunner.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput, decode_steps
@@ -111,6 +119,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # By id: the requests holding their blocks while the host tier's arrive, the tokens their
+        # blocks were taken for (admitted with as many or fewer, they need no more blocks), and the
+        # load batch that brings them; and those of them that ended meanwhile, with their batch.
+        self.loading: dict[str, tuple[Request, int, int]] = {}
+        self._ended_loading: list[tuple[int, int]] = []  # (`BlockManager.park` token, batch)
         self.num_preemptions = 0
         # Requests that left while the runner held them; reported (and forgotten) by the next step.
         self._finished_in_runner: set[str] = set()
@@ -132,7 +145,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Also while the blocks of a request that ended loading are on their way (steps land them)."""
+        return bool(self.waiting or self.running or self.loading or self._ended_loading)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -140,6 +154,11 @@ class Scheduler:
         new_blocks: dict[str, tuple[list[int], ...]] = {}  # per KV-cache group
         preempted: list[Request] = []
         drafts: dict[str, list[int]] = {}
+        waited = False  # a running request waits for blocks that loads hold: no admission either
+        arrived = self.block_manager.host_tier.arrived() if self.block_manager.host_tier is not None else 0
+        for token, batch in [e for e in self._ended_loading if e[1] <= arrived]:
+            self._ended_loading.remove((token, batch))
+            self.block_manager.unpark(token)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -155,6 +174,12 @@ class Scheduler:
             n += len(draft_ids)
             extra = self._lookahead(request.num_computed_tokens + n)
             fresh = self.block_manager.allocate_slots(request, n + extra)
+            if fresh is None and (self.loading or self._ended_loading):
+                if self.loading:  # the newest gives its blocks back, once its loads have landed
+                    self._preempt(next(reversed(self.loading.values()))[0])
+                waited = True  # rather than preempt running requests, wait for those blocks
+                i += 1
+                continue
             while fresh is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -172,8 +197,18 @@ class Scheduler:
             i += 1
 
         admitted: list[Request] = []
+        for request, allocated, batch in list(self.loading.values()):  # in batch order
+            n = min(allocated, budget)
+            if batch > arrived or not n:
+                break
+            if self.block_manager.allocate_slots(request, n + self._lookahead(request.num_computed_tokens + n)) is None:
+                break
+            del self.loading[request.req_id]
+            self._admit(request, admitted, num_scheduled, n)
+            budget -= n
         skipped: list[Request] = []  # their adapter would exceed max_loras: they keep their place in the queue
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and not preempted and not waited
+               and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting[0]
             if not self._adapter_fits(request):
                 skipped.append(self.waiting.popleft())
@@ -183,14 +218,13 @@ class Scheduler:
             if self.block_manager.allocate_slots(request, n + self._lookahead(num_hit_tokens + n), hits) is None:
                 break
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            request.num_prefill_tokens = request.num_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
-            self.running.append(request)
-            admitted.append(request)
-            num_scheduled[request.req_id] = n
+            if needs_load(hits):  # the batch this step's loads make
+                self.loading[request.req_id] = (request, n, self.block_manager.host_tier.batches + 1)
+                continue
+            self._admit(request, admitted, num_scheduled, n)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
@@ -198,6 +232,8 @@ class Scheduler:
         structured = [r for r in map(self.requests.get, num_scheduled) if r.grammar is not None
                       and r.num_computed_tokens + num_scheduled[r.req_id] >= r.num_expected_tokens]  # those that sample
         out = self._build_output(admitted, num_scheduled, new_blocks, preempted, steps, drafts, structured)
+        if self.block_manager.host_tier is not None:
+            out = dataclasses.replace(out, kv_transfers=self.block_manager.host_tier.take())
         scheduled = {}
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
@@ -213,11 +249,20 @@ class Scheduler:
         self._in_flight.append(scheduled)
         return out
 
+    def _admit(self, request: Request, admitted: list[Request], num_scheduled: dict[str, int], n: int) -> None:
+        """Start running a request that holds its blocks, with `n` tokens this step."""
+        request.status = RequestStatus.RUNNING
+        request.num_prefill_tokens = request.num_tokens
+        self.running.append(request)
+        admitted.append(request)
+        num_scheduled[request.req_id] = n
+
     def _adapter_fits(self, request: Request) -> bool:
         """Whether the running requests' adapters, with this request's, stay within max_loras."""
         if request.lora_request is None:
             return True
-        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        holding = self.running + [entry[0] for entry in self.loading.values()]
+        running = {r.lora_request.lora_int_id for r in holding if r.lora_request is not None}
         return request.lora_request.lora_int_id in running or len(running) < self.config.max_loras
 
     def _drafts(self, request: Request, num_drafts: int) -> list[int]:
@@ -331,7 +376,8 @@ class Scheduler:
         return fill_bitmask(masks, self.config.vocab_size)
 
     def _preempt(self, request: Request) -> None:
-        self.block_manager.free(request)
+        """Back to the front of the queue, to be computed again."""
+        self._release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0
@@ -392,8 +438,16 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self._finished_in_runner.add(request.req_id)
-        else:
+        elif request.req_id not in self.loading:
             self.waiting.remove(request)
+        self._release(request)
         request.status = status
-        self.block_manager.free(request)
         del self.requests[request.req_id]
+
+    def _release(self, request: Request) -> None:
+        """Give the request's blocks back; a loading request's once its loads have landed (sooner,
+        another request would have them overwritten under it)."""
+        if (loading := self.loading.pop(request.req_id, None)) is not None:
+            self._ended_loading.append((self.block_manager.park(request), loading[2]))
+        else:
+            self.block_manager.free(request)

@@ -24,6 +24,8 @@ from jaxrunner.runner.step import SampleInputs, TokenInputs
 from jaxrunner.sampling import SamplerFlags, flag_variants, neutral_metadata
 from jaxrunner.spec_decode.drafts import queries_per_decode
 
+KV_TRANSFER_MAX = 256  # the most blocks one host-tier copy moves
+
 
 @dataclass(frozen=True)
 class Context:
@@ -104,6 +106,19 @@ class Context:
         nowhere = np.full(b_bucket, self.config.max_num_seqs, np.int32)
         md = neutral_metadata(b_bucket, self.config.sampler, self.model.vocab_size, flags, self.queries_per_decode)
         return SampleInputs(nowhere, np.zeros(b_bucket, np.int32), md, np.zeros(b_bucket, bool), np.zeros(b_bucket, np.int32))
+
+    @property
+    def kv_transfer_buckets(self) -> tuple[int, ...]:
+        """Block counts a host tier's copies are padded to (none without a host tier); more blocks
+        go in several copies of the largest."""
+        if not self.config.num_host_blocks:
+            return ()
+        return tuple(1 << i for i in range(min(KV_TRANSFER_MAX, self.config.num_blocks).bit_length()))
+
+    def kv_blocks(self, num_blocks: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The pages of `num_blocks` blocks as `step.gather_blocks` returns them (split as the cache is)."""
+        return tuple(jax.ShapeDtypeStruct((num_blocks, *leaf.shape[1:]), leaf.dtype, sharding=leaf.sharding)
+                     for leaf in jax.tree.leaves((self.state.kv, self.state.draft_kv)))
 
     def hidden(self, rows: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((rows, self.model.hidden_size), self.dtype)

@@ -38,8 +38,10 @@ from jaxrunner.runner.program_cache import ProgramCache, compile_noting_cache_hi
 from jaxrunner.runner.step import (
     decode_loop,
     forward_step,
+    gather_blocks,
     prompt_logprobs_step,
     sample_step,
+    scatter_blocks,
     write_block_rows,
     write_token_rows,
 )
@@ -131,6 +133,16 @@ def _write_lora_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
         yield dict(lora=ctx.lora, slot=np.int32(0), adapter=ctx.adapter)
 
 
+def _gather_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+    for n in ctx.kv_transfer_buckets:
+        yield dict(pages=(ctx.state.kv, ctx.state.draft_kv), blocks=np.zeros(n, np.int32))
+
+
+def _scatter_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+    for n in ctx.kv_transfer_buckets:
+        yield dict(state=ctx.state, blocks=np.zeros(n, np.int32), pages=ctx.kv_blocks(n))
+
+
 def _model_and_kernels(ctx: Context) -> dict:
     return dict(model=ctx.model, kernels=ctx.kernels)
 
@@ -171,8 +183,12 @@ PROMPT_LOGPROBS = Kind(
     fixed=lambda ctx: dict(model=ctx.model, num_top=ctx.config.sampler.logprobs_width(ctx.model.vocab_size),
                            as_logits=ctx.config.sampler.logprobs_mode.endswith("logits")))
 WRITE_LORA = Kind("write_lora", write_slot, key=lambda a: (), examples=_write_lora_examples, donate=("lora",))
+GATHER_BLOCKS = Kind("gather_blocks", gather_blocks, key=lambda a: (a["blocks"].shape[0],), examples=_gather_examples)
+SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks"].shape[0],),
+                      examples=_scatter_examples, donate=("state",))
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
-KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, WRITE_TOKENS, PROMPT_LOGPROBS, WRITE_LORA)
+KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, WRITE_TOKENS, PROMPT_LOGPROBS, WRITE_LORA,
+         GATHER_BLOCKS, SCATTER_BLOCKS)
 
 
 @dataclass(frozen=True)

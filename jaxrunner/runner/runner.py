@@ -4,8 +4,9 @@ One step, top to bottom:
   1. `plan.prepare`: check the SchedulerOutput and make the next host request table and the step's
      plan (padded arrays, rows to write, LoRA slots to load, prompt-logprob rows); until both stand
      nothing has changed, so a ValueError leaves the runner exactly as it was (random state included);
-  2. `execute_model`, on the device (state donated): the plan's row writes, then the backbone over the
-     packed tokens with paged attention (a multi-step decode: all its rounds, sampling included);
+  2. `execute_model`, on the device (state donated): the copies to and from the host tier
+     (`host_kv`), the plan's row writes, then the backbone over the packed tokens with paged
+     attention (a multi-step decode: all its rounds, sampling included);
   3. `sample_tokens`: the structured requests' grammar masks into the plan's buffer (the host fills
      them while the backbone runs), then logits and sampling for the batch's rows (with speculative
      decoding, `spec_decode.sample`: verify the drafts, keep 1 to k + 1 tokens, propose the next),
@@ -38,6 +39,7 @@ from jaxrunner.lora_request import LoRARequest
 from jaxrunner.models.llama import Params, param_specs
 from jaxrunner.runner.context import Context
 from jaxrunner.runner.grammar_masks import check_masks, write_masks
+from jaxrunner.runner.host_kv import HostKV
 from jaxrunner.runner.input_batch import bucket
 from jaxrunner.runner.memory import kv_cache_bytes
 from jaxrunner.runner.parallel import make_mesh, place, shard_layout, sharded_config
@@ -60,7 +62,7 @@ from jaxrunner.runner.state import RunnerState, init_state
 from jaxrunner.runner.step import decode_round
 from jaxrunner.sampling import PromptLogprobsBuffer, SamplerOutput, prepare_request
 from jaxrunner.sampling_params import SamplingParams
-from jaxrunner.step_io import RunnerOutput, SchedulerOutput
+from jaxrunner.step_io import RunnerOutput, SchedulerOutput, reject
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,7 @@ class Runner:
         self._warming: threading.Thread | None = None
         self.lora = init_lora(model_config, config.lora, self.ctx.dtype)  # the adapter slots (() without LoRA)
         self.adapters = Adapters(model_config, config.lora)
+        self.host_kv = HostKV(self.ctx, self.programs) if config.num_host_blocks else None  # the host tier's pool
         self._table = RequestTable.empty(config.max_num_seqs)
         self._prompt_logprobs = PromptLogprobsBuffer()
         self._rng = np.random.default_rng(config.seed)
@@ -159,11 +162,17 @@ class Runner:
         the model (vLLM's execute_model / sample_tokens). A ValueError leaves the runner as it was."""
         if self._forwarded is not None:
             raise RuntimeError("the last step's forward pass is waiting for its sampling: call sample_tokens first")
+        if self.host_kv is not None:
+            self.host_kv.check(sched.kv_transfers)
+        elif sched.kv_transfers:
+            reject("kv_transfers given to a runner without a host tier (RunnerConfig.num_host_blocks=0)")
         rng = copy.deepcopy(self._rng)  # seeds are drawn from a copy, kept only if the step stands
         self._table, plan = prepare(self._table, sched, self._serving, rng, self.adapters)
         self._rng = rng
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             self._prompt_logprobs.discard(rid)
+        if self.host_kv is not None:
+            state = self.host_kv.transfer(state, sched.kv_transfers)
         if plan is None:
             self._forwarded = PendingOutput([], {}, {}, None, {})
             return state

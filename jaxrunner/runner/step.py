@@ -106,6 +106,19 @@ def write_token_rows(state: RunnerState, slots: jax.Array, rows: jax.Array) -> R
     return dataclasses.replace(state, token_ids=state.token_ids.at[slots].set(rows, mode="drop"))
 
 
+def gather_blocks(pages: tuple, blocks: jax.Array) -> tuple:
+    """The blocks' pages, one array per leaf of `pages` (the cache's and the draft's: the
+    `(state.kv, state.draft_kv)` a host tier copies), each [len(blocks), block_size, heads, head_dim]."""
+    return tuple(leaf[blocks] for leaf in jax.tree.leaves(pages))
+
+
+def scatter_blocks(state: RunnerState, blocks: jax.Array, pages: tuple) -> RunnerState:
+    """`gather_blocks`'s inverse: write `pages` into the blocks (a block id past the cache: dropped)."""
+    leaves, tree = jax.tree.flatten((state.kv, state.draft_kv))
+    kv, draft_kv = jax.tree.unflatten(tree, [leaf.at[blocks].set(page, mode="drop") for leaf, page in zip(leaves, pages)])
+    return dataclasses.replace(state, kv=kv, draft_kv=draft_kv)
+
+
 def resolve_positions(state: RunnerState, inp: TokenInputs) -> TokenInputs:
     """Relative positions and lengths made absolute from the rows' device lengths."""
     if not state.lens.shape[0]:

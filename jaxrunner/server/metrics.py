@@ -82,7 +82,11 @@ class _EngineCollector:
                   ("kv_cache_usage_perc", "Fraction of KV cache blocks held by requests", stats.kv_cache_usage))
         counters = [("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
-                    ("num_preemptions", "Requests preempted", stats.num_preemptions)]
+                    ("num_preemptions", "Requests preempted", stats.num_preemptions),
+                    ("kv_offload_hits", "Prompt tokens found in the prefix cache's host tier", stats.kv_offload_hits),
+                    ("kv_offload_bytes_saved", "KV bytes copied to the host tier", stats.kv_offload_bytes_saved),
+                    ("kv_offload_bytes_loaded", "KV bytes copied back from the host tier", stats.kv_offload_bytes_loaded),
+                    ("kv_offload_seconds", "Host seconds the host tier's copies took", stats.kv_offload_seconds)]
         if spec := stats.spec_decoding:
             counters += [("spec_decode_num_drafts", "Draft runs", spec["num_drafts"]),
                          ("spec_decode_num_draft_tokens", "Draft tokens proposed", spec["num_draft_tokens"]),

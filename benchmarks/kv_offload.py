@@ -1,0 +1,119 @@
+"""Time to first token when a long prefix comes back after the device's prefix cache evicted it:
+computed again, or copied back from the host tier (`kv_offloading_size`); and the decode speed of
+other requests meanwhile.
+
+Each of `--users` conversations has a prefix of `--prefix` tokens. The device's cache holds the
+decoding requests at their longest and one and a half prefixes, so visiting the users in turn
+evicts each prefix before it comes back. Per mode (a fresh engine each): every prefix once, then `--decoders` requests
+decoding all along; a window of steps with nothing else (their tokens/s alone), then `--rounds`
+visits of every user, a prefix plus `--message` new tokens and one output token each (TTFT from
+adding the request to its token, with the decoders' tokens/s over the visits).
+
+    PYTHONPATH=$PWD python3 benchmarks/kv_offload.py [--shape llama3-8b] [--prefix 8192] [--users 4]
+Writes $OUT/kv_offload.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jaxrunner.checkpoints.dummy import SHAPES, shape
+from jaxrunner.engine.engine import LLMEngine
+from jaxrunner.engine.engine_args import EngineArgs
+from jaxrunner.runner.memory import bytes_per_block
+from jaxrunner.sampling_params import SamplingParams
+
+
+def run(args: argparse.Namespace, tier: bool) -> dict:
+    block_size = 16
+    per_user = -(-(args.prefix + args.message + 1) // block_size)
+    decoders = args.decoders * -(-(args.decoder_prompt + args.decoder_tokens) // block_size)
+    engine = LLMEngine(EngineArgs(
+        model=args.shape, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        max_model_len=args.prefix + args.message + 16, max_num_seqs=args.decoders + 2,
+        max_num_batched_tokens=args.chunk, num_gpu_blocks_override=decoders + per_user * 3 // 2 + 1,
+        kv_offloading_size=args.host_gib if tier else None, enforce_eager=not args.warm_up))
+    rng = np.random.default_rng(0)
+    vocab = engine.model_config.vocab_size
+    prefixes = [rng.integers(3, vocab, args.prefix).tolist() for _ in range(args.users)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def visit(rid: str, prefix: list[int], counting: set[str]) -> tuple[float, int]:
+        """Seconds to the visit's first token, and the tokens the decoders made meanwhile."""
+        engine.add_request(rid, {"prompt_token_ids": prefix + rng.integers(3, vocab, args.message).tolist()}, one)
+        start, made = time.perf_counter(), 0
+        while True:
+            for out in engine.step():
+                if out.request_id == rid and out.outputs[0].token_ids:
+                    return time.perf_counter() - start, made
+                if out.request_id in counting:
+                    made += 1
+
+    for u, prefix in enumerate(prefixes):  # the first visits: computed either way
+        visit(f"first-{u}", prefix, set())
+    long = SamplingParams(temperature=0.0, max_tokens=args.decoder_tokens, ignore_eos=True)
+    decoding = {f"decode-{i}" for i in range(args.decoders)}
+    for rid in decoding:
+        engine.add_request(rid, {"prompt_token_ids": rng.integers(3, vocab, args.decoder_prompt).tolist()}, long)
+    for _ in range(8):  # the decoders' prefills, out of the windows
+        engine.step()
+    start, made = time.perf_counter(), 0
+    for _ in range(args.window):
+        made += sum(out.request_id in decoding for out in engine.step())
+    alone = made / (time.perf_counter() - start)
+    ttfts, made, spent = [], 0, 0.0
+    for r in range(args.rounds):
+        for u, prefix in enumerate(prefixes):
+            seconds, tokens = visit(f"visit-{r}-{u}", prefix, decoding)
+            ttfts.append(seconds)
+            made, spent = made + tokens, spent + seconds
+    stats = engine.stats()
+    engine.abort_request(list(decoding), final_output=False)
+    engine.close()
+    return {
+        "ttft_ms_median": round(1e3 * statistics.median(ttfts), 1), "ttft_ms": [round(1e3 * t, 1) for t in ttfts],
+        "decoders_tokens_per_s_alone": round(alone, 1), "decoders_tokens_per_s_during_visits": round(made / spent, 1),
+        "prefix_cache_hits": stats.prefix_cache_hits, "kv_offload_hits": stats.kv_offload_hits,
+        "kv_offload_gb_loaded": round(stats.kv_offload_bytes_loaded / 1e9, 3),
+        "kv_offload_gb_saved": round(stats.kv_offload_bytes_saved / 1e9, 3),
+        "kv_offload_seconds": round(stats.kv_offload_seconds, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--prefix", type=int, default=8192)
+    parser.add_argument("--message", type=int, default=64)
+    parser.add_argument("--users", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--decoders", type=int, default=16)
+    parser.add_argument("--decoder-prompt", type=int, default=128)
+    parser.add_argument("--decoder-tokens", type=int, default=512, help="about what they reach in the run")
+    parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
+    parser.add_argument("--window", type=int, default=64, help="steps of the decoders alone")
+    parser.add_argument("--warm-up", action="store_true", help="compile every program at start (the GPU default)")
+    args = parser.parse_args()
+    per_block = bytes_per_block(shape(args.shape), EngineArgs(dtype="bfloat16").create_runner_config(
+        num_blocks=1, dtype="bfloat16"))
+    args.host_gib = 1.25 * args.users * -(-(args.prefix + args.message) // 16) * per_block / 2**30
+    result = {"device": jax.devices()[0].device_kind, **vars(args)}
+    for mode, tier in (("recompute", False), ("host_tier", True)):
+        result[mode] = run(args, tier)
+        print(mode, json.dumps(result[mode]), flush=True)
+    result["ttft_speedup"] = round(result["recompute"]["ttft_ms_median"] / result["host_tier"]["ttft_ms_median"], 2)
+    print(json.dumps({k: result[k] for k in ("device", "shape", "prefix", "users", "ttft_speedup")}))
+    if out := os.environ.get("OUT"):
+        with open(os.path.join(out, "kv_offload.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

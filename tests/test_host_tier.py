@@ -1,0 +1,127 @@
+"""The prefix cache's host tier: KV blocks evicted from the device are kept in host memory and copied
+back when a prefix comes back (the scheduler's side is in test_scheduler, with a fake runner)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams, SchedulerOutput
+from jaxrunner.checkpoints.loader import load_model
+from jaxrunner.engine import EngineArgs
+from jaxrunner.step_io import KVTransfers
+
+DATA = Path(__file__).parent / "data"
+
+
+def pages(state) -> list[np.ndarray]:
+    return [np.asarray(leaf).astype(np.float32) for leaf in jax.tree.leaves((state.kv, state.draft_kv))]
+
+
+@pytest.mark.parametrize("tp, kv_cache_dtype", [(1, "auto"), (2, "fp8")])
+def test_saved_blocks_come_back_bitwise_one_step_after_their_load(tp, kv_cache_dtype):
+    """The runner's copies alone, on random pages: blocks saved to host slots and loaded into other
+    blocks arrive bitwise in every page (each layer's K and V, split over the devices under TP), in
+    the step after the one that loads them, and nothing else changes."""
+    model, params = load_model(DATA / "models" / "tiny-llama", "float32")
+    cfg = RunnerConfig(max_model_len=64, block_size=4, num_blocks=16, num_host_blocks=8, tensor_parallel_size=tp,
+                       kv_cache_dtype=kv_cache_dtype)
+    runner = Runner(model, params, cfg)
+    state = runner.init_state()
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+    kv = jax.tree.map(lambda x: jax.device_put(jax.random.normal(next(keys), x.shape).astype(x.dtype), x.sharding),
+                      state.kv)
+    state = dataclasses.replace(state, kv=kv)
+    before = pages(state)
+
+    def run(state, transfers: KVTransfers):
+        state = runner.execute_model(state, SchedulerOutput(kv_transfers=transfers))
+        return runner.sample_tokens(state)[0]
+
+    state = run(state, KVTransfers(saves=((3, 0), (5, 1), (7, 5))))
+    state = run(state, KVTransfers(loads=((0, 10), (1, 11), (5, 12))))
+    assert all(np.array_equal(a, b) for a, b in zip(pages(state), before)), "a load was written before its step"
+    state = run(state, KVTransfers())
+    after = pages(state)
+    for a, b in zip(after, before):
+        assert a.shape[2] == model.num_kv_heads and np.array_equal(a[[10, 11, 12]], b[[3, 5, 7]])
+        others = [i for i in range(cfg.num_blocks) if i not in (10, 11, 12)]
+        assert np.array_equal(a[others], b[others])
+    assert runner.host_kv.stats.bytes_loaded == runner.host_kv.stats.bytes_saved == 3 * runner.host_kv.block_bytes
+    assert runner.programs.asked <= {p.key for p in runner.programs.warmup_programs()}, "warm-up misses a copy program"
+
+
+def test_transfers_outside_the_cache_or_the_pool_are_refused():
+    model, params = load_model(DATA / "models" / "tiny-llama", "float32")
+    cfg = RunnerConfig(max_model_len=64, block_size=4, num_blocks=16, num_host_blocks=8)
+    runner = Runner(model, params, cfg)
+    state = runner.init_state()
+    for transfers in (KVTransfers(loads=((8, 1),)), KVTransfers(saves=((16, 0),)), KVTransfers(loads=((-1, 0),))):
+        with pytest.raises(ValueError, match="kv_transfers.*outside the 16 device blocks or the 8 host slots"):
+            runner.execute_model(state, SchedulerOutput(kv_transfers=transfers))
+    plain = Runner(model, params, dataclasses.replace(cfg, num_host_blocks=0))
+    with pytest.raises(ValueError, match="without a host tier"):
+        plain.execute_model(plain.init_state(), SchedulerOutput(kv_transfers=KVTransfers(saves=((1, 0),))))
+    with pytest.raises(ValueError, match=r"kv_transfers.loads must be \(block, slot\) pairs"):
+        KVTransfers(loads=((1, 2, 3),))
+
+
+def conversations(llm: LLM, users: int = 3, turns: int = 3) -> list[list]:
+    """Each user's turns one after another, each turn its whole conversation so far plus a new
+    message: the prefixes come back, after the other users' turns have pushed them out."""
+    rng = np.random.default_rng(0)
+    history = [rng.integers(3, 200, 40).tolist() for _ in range(users)]
+    outputs = []
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    for _ in range(turns):
+        for u in range(users):
+            out = llm.generate([{"prompt_token_ids": history[u]}], params, use_tqdm=False)[0].outputs[0]
+            outputs.append(out)
+            history[u] = history[u] + list(out.token_ids) + rng.integers(3, 200, 9).tolist()
+    return outputs
+
+
+@pytest.mark.parametrize("name, kv_cache_dtype, num_blocks", [("tiny-llama", "auto", 10), ("tiny-gemma3", "fp8", 14)])
+def test_a_multi_turn_workload_gives_the_same_tokens_with_the_tier(name, kv_cache_dtype, num_blocks):
+    """A device cache that holds one conversation (of three) at a time: without the tier each turn
+    computes its conversation again, with it the prefix comes back from host memory (every
+    KV-cache group: Gemma-3's sliding and full layers; fp8 pages). Same tokens, logprobs within
+    float noise (recomputed KV is not bitwise the KV computed before)."""
+    args = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_batched_tokens=32,
+                num_gpu_blocks_override=num_blocks, kv_cache_dtype=kv_cache_dtype)
+    runs = {}
+    for tier in (None, 0.01):
+        with LLM(str(DATA / "models" / name), kv_offloading_size=tier, **args) as llm:
+            runs[tier] = conversations(llm), llm.llm_engine.stats()
+    (plain, plain_stats), (tiered, stats) = runs[None], runs[0.01]
+    assert [o.token_ids for o in tiered] == [o.token_ids for o in plain]
+    for a, b in zip(tiered, plain):
+        for rows_a, rows_b in zip(a.logprobs, b.logprobs):
+            assert rows_a.keys() == rows_b.keys()
+            np.testing.assert_allclose([r.logprob for r in rows_a.values()], [r.logprob for r in rows_b.values()],
+                                       atol=2e-2 if kv_cache_dtype == "fp8" else 1e-4)
+    assert stats.kv_offload_hits >= 6 * 16, "the later turns' prefixes did not come from the host tier"
+    assert stats.prefix_cache_hits > plain_stats.prefix_cache_hits
+    assert stats.kv_offload_bytes_loaded > 0 and stats.kv_offload_bytes_saved >= stats.kv_offload_bytes_loaded
+    assert plain_stats.kv_offload_hits == plain_stats.kv_offload_bytes_saved == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_offloading_size=0), "kv_offloading_size must be a positive number of GiB, got 0"),
+    (dict(kv_offloading_size="4"), "positive number of GiB, got '4'"),
+    (dict(kv_offloading_size=True), "positive number of GiB, got True"),
+    (dict(kv_offloading_size=1, enable_prefix_caching=False), "needs enable_prefix_caching=True"),
+])
+def test_bad_offloading_sizes_fail_at_once(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)
+
+
+def test_an_offloading_size_below_one_block_says_so():
+    with pytest.raises(ValueError, match=r"kv_offloading_size=1e-09 GiB holds no KV block of \d+ bytes; raise it"):
+        LLM(str(DATA / "models" / "tiny-llama"), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
+            kv_offloading_size=1e-9)
