@@ -464,7 +464,7 @@ class RunnerConfig:
     on JAX's persistent compilation cache (process-wide) there, and the runner's program cache in
     its `programs` folder (`program_cache`: found without lowering). `batch_invariant`: a request's
     tokens and logprobs do not depend on the batch it runs in (`Kernels.batch_invariant`); not with
-    speculative decoding, LoRA, tensor parallelism or an MoE model yet. `num_host_blocks`: the
+    a draft model, tensor or data parallelism, or an MoE model yet. `num_host_blocks`: the
     blocks of the prefix cache's host tier (`runner.host_kv`; 0: none).
     """
 
@@ -514,9 +514,10 @@ class RunnerConfig:
         if split and (self.lora.enabled or self.speculative.enabled and self.speculative.method == "draft_model"):
             raise ValueError("tensor and data parallelism do not combine with LoRA or a draft model yet; "
                              "use tensor_parallel_size=1 and data_parallel_size=1 for them")
-        if self.batch_invariant and (self.speculative.enabled or self.lora.enabled or split):
-            raise ValueError("batch_invariant does not combine with speculative decoding, LoRA, or tensor and data "
-                             "parallelism yet (their products still depend on the batch); turn those off for it")
+        if self.batch_invariant and (self.speculative.enabled and self.speculative.method == "draft_model" or split):
+            raise ValueError("batch_invariant does not combine with a draft model or with tensor and data parallelism "
+                             "yet (their products still depend on the batch); use ngram speculation, and "
+                             "tensor_parallel_size=1 and data_parallel_size=1, for it")
         if self.speculative.enabled and self.num_scheduler_steps > 1:
             raise ValueError("speculative decoding and multi-step decode (num_scheduler_steps > 1) do not combine; "
                              "use one of them")

@@ -11,19 +11,24 @@ from __future__ import annotations
 import json
 import re
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxrunner import LLM, SamplingParams
+from jaxrunner import LLM, ModelConfig, SamplingParams
+from jaxrunner.bench.throughput import random_adapter
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.runner.programs import SAMPLE
+from pallas_kernels.ragged_paged_attention import decode_config
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 576,
           "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3,
           "head_dim": 64, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
           "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
 TARGET = [int(t) for t in np.random.default_rng(7).integers(3, 1024, 41)]
+REPEATING = TARGET[:9] * 4  # n-gram lookup finds drafts in it
 ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=160, max_num_seqs=8,
               max_num_batched_tokens=64, num_gpu_blocks_override=96)
 
@@ -41,22 +46,25 @@ def llm(model_dir):
         yield llm
 
 
-def params(seeded: bool) -> SamplingParams:
-    return SamplingParams(temperature=1.0 if seeded else 0.0, seed=11 if seeded else None, max_tokens=10,
+def params(seeded: bool, temperature: float = 1.0) -> SamplingParams:
+    return SamplingParams(temperature=temperature if seeded else 0.0, seed=11 if seeded else None, max_tokens=10,
                           ignore_eos=True, logprobs=4)
 
 
-def run(llm: LLM, prompts: list[list[int]], sampling: SamplingParams, at: int) -> tuple[list[int], list]:
+def run(llm: LLM, prompts: list[list[int]], sampling: SamplingParams, at: int, **kw) -> tuple[list[int], list]:
     """Prompt `at`'s tokens, and per token its (token id, logprob as the float's bytes) pairs."""
-    out = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)[at].outputs[0]
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False, **kw)[at].outputs[0]
     return out.token_ids, [sorted((t, np.float32(lp.logprob).tobytes()) for t, lp in step.items()) for step in out.logprobs]
 
 
 @pytest.fixture(scope="module")
 def alone(model_dir):
-    """The target alone on an engine without a prefix cache: greedy, and seeded."""
+    """The target alone on an engine without a prefix cache: greedy, and seeded; and the repeating
+    prompt's (what n-gram speculation must give too)."""
     with LLM(model_dir, batch_invariant=True, enable_prefix_caching=False, **ENGINE) as llm:
-        yield {seeded: run(llm, [TARGET], params(seeded), 0) for seeded in (False, True)}, llm.llm_engine.runner
+        found = {seeded: run(llm, [TARGET], params(seeded), 0) for seeded in (False, True)}
+        found |= {("repeating", seeded): run(llm, [REPEATING], params(seeded, 0.1), 0) for seeded in (False, True)}
+        yield found, llm.llm_engine.runner
 
 
 @pytest.mark.parametrize("seeded", [False, True])
@@ -74,6 +82,56 @@ def test_a_request_gives_the_same_bits_in_any_batch(llm, alone, seeded, others, 
     assert tokens == want_tokens and logprobs == want_logprobs  # bitwise, not within a tolerance
 
 
+def random_batch(target: list[int], others: int, seed: int) -> tuple[list[list[int]], int]:
+    rng = np.random.default_rng(seed)
+    batch = [[int(t) for t in rng.integers(3, 1024, n)] for n in rng.integers(1, 90, others)]
+    place = int(rng.integers(0, others + 1))
+    return batch[:place] + [target] + batch[place:], place
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_ngram_speculation_gives_the_bits_of_plain_sampling_in_any_batch(model_dir, alone, seeded):
+    """With n-gram drafts (accepted ones among them), the repeating prompt's tokens and logprobs
+    are those of plain sampling alone, bitwise, alone and in batches: the drafts only decide how
+    many positions a step settles. Seeded at temperature 0.1, where this random model accepts drafts."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(model_dir, batch_invariant=True, speculative_config=spec, **ENGINE) as llm:
+        for others, seed in ((0, 0), (3, 1), (5, 2)):
+            batch, place = random_batch(REPEATING, others, seed)
+            assert run(llm, batch, params(seeded, 0.1), place) == alone[0][("repeating", seeded)]
+        assert llm.llm_engine.stats().spec_decoding["num_accepted_tokens"] > 0
+
+
+def test_a_lora_request_gives_the_same_bits_in_any_batch(model_dir, tmp_path):
+    """A request with an adapter, alone and among requests with another adapter or none: the same
+    bits, and not the base model's."""
+    path = random_adapter(str(tmp_path / "a"), ModelConfig.from_hf(model_dir), 8, seed=1)
+    other = random_adapter(str(tmp_path / "b"), ModelConfig.from_hf(model_dir), 8, seed=2)
+    mine, theirs = LoRARequest("a", 1, path), LoRARequest("b", 2, other)
+    with LLM(model_dir, batch_invariant=True, enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE) as llm:
+        want = run(llm, [TARGET], params(True), 0, lora_request=mine)
+        assert want[0] != run(llm, [TARGET], params(True), 0)[0]
+        for others, seed in ((3, 3), (6, 4)):
+            batch, place = random_batch(TARGET, others, seed)
+            adapters = [[mine, theirs, None][i % 3] for i in range(len(batch))]
+            adapters[place] = mine
+            assert run(llm, batch, params(True), place, lora_request=adapters) == want
+
+
+def test_the_pallas_attention_keeps_the_bits_too(model_dir):
+    """The Pallas kernels (interpreted here): a decode runs the kernel a mixed batch runs (the
+    decode kernel's KV splits would follow the batch), so the bits stay."""
+    splits = {decode_config(jnp.bfloat16, 128, 16, queries_per_seq=1, num_tokens=n, num_kv_heads=8, max_context=4096,
+                            num_sms=132).num_splits for n in (1, 256)}
+    assert len(splits) == 2  # on an H200 the decode kernel splits a sequence by the batch's size
+    with LLM(model_dir, batch_invariant=True, kernels="pallas", **ENGINE) as llm:
+        assert not llm.llm_engine.runner.ctx.decode_form
+        want = run(llm, [TARGET], params(False), 0)
+        for others, seed in ((4, 5),):
+            batch, place = random_batch(TARGET, others, seed)
+            assert run(llm, batch, params(False), place) == want
+
+
 def test_the_mode_tiles_the_rows_and_refuses_what_it_does_not_cover(alone, model_dir):
     """Its programs run their row-sized products one tile at a time (a loop in the compiled
     forward pass and sampler), and what it does not cover is named at start."""
@@ -83,6 +141,5 @@ def test_the_mode_tiles_the_rows_and_refuses_what_it_does_not_cover(alone, model
                                       samples=ctx.samples(4, flags), flags=flags)
     for text in (runner.compile_forward(16).as_text(), runner.programs.executable(sampler).as_text()):
         assert re.search(r"\bwhile\(", text)
-    with pytest.raises(ValueError, match="batch_invariant does not combine with speculative decoding"):
-        LLM(model_dir, batch_invariant=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-            **ENGINE)
+    with pytest.raises(ValueError, match="batch_invariant does not combine with a draft model or with tensor"):
+        LLM(model_dir, batch_invariant=True, tensor_parallel_size=2, **ENGINE)

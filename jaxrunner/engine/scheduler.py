@@ -155,10 +155,7 @@ class Scheduler:
         preempted: list[Request] = []
         drafts: dict[str, list[int]] = {}
         waited = False  # a running request waits for blocks that loads hold: no admission either
-        arrived = self.block_manager.host_tier.arrived() if self.block_manager.host_tier is not None else 0
-        for token, batch in [e for e in self._ended_loading if e[1] <= arrived]:
-            self._ended_loading.remove((token, batch))
-            self.block_manager.unpark(token)
+        arrived = self._loads_arrived()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -197,15 +194,7 @@ class Scheduler:
             i += 1
 
         admitted: list[Request] = []
-        for request, allocated, batch in list(self.loading.values()):  # in batch order
-            n = min(allocated, budget)
-            if batch > arrived or not n:
-                break
-            if self.block_manager.allocate_slots(request, n + self._lookahead(request.num_computed_tokens + n)) is None:
-                break
-            del self.loading[request.req_id]
-            self._admit(request, admitted, num_scheduled, n)
-            budget -= n
+        budget = self._admit_loaded(arrived, budget, admitted, num_scheduled)
         skipped: list[Request] = []  # their adapter would exceed max_loras: they keep their place in the queue
         while (self.waiting and budget > 0 and not preempted and not waited
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
@@ -248,6 +237,28 @@ class Scheduler:
             scheduled[req_id] = (request, request.num_preemptions, num_sampled, num_drafts)
         self._in_flight.append(scheduled)
         return out
+
+    def _loads_arrived(self) -> int:
+        """The host tier's load batches that have arrived; the parked blocks they were for go back."""
+        arrived = self.block_manager.host_tier.arrived() if self.block_manager.host_tier is not None else 0
+        for token, batch in [e for e in self._ended_loading if e[1] <= arrived]:
+            self._ended_loading.remove((token, batch))
+            self.block_manager.unpark(token)
+        return arrived
+
+    def _admit_loaded(self, arrived: int, budget: int, admitted: list[Request], num_scheduled: dict[str, int]) -> int:
+        """Admit the loading requests whose blocks have arrived, in order, within the budget (they
+        hold their blocks); the budget left."""
+        for request, allocated, batch in list(self.loading.values()):
+            n = min(allocated, budget)
+            if batch > arrived or not n:
+                break
+            if self.block_manager.allocate_slots(request, n + self._lookahead(request.num_computed_tokens + n)) is None:
+                break
+            del self.loading[request.req_id]
+            self._admit(request, admitted, num_scheduled, n)
+            budget -= n
+        return budget
 
     def _admit(self, request: Request, admitted: list[Request], num_scheduled: dict[str, int], n: int) -> None:
         """Start running a request that holds its blocks, with `n` tokens this step."""

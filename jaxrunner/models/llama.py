@@ -145,13 +145,14 @@ def slot_mask(slots: jax.Array, num_slots: int, dtype) -> jax.Array:
     return (slots[:, None] == jnp.arange(1, num_slots + 1)[None, :]).astype(dtype)
 
 
-def lora_delta(x: jax.Array, w: dict, mask: jax.Array) -> jax.Array:
+def lora_delta(x: jax.Array, w: dict, mask: jax.Array, matmul: Matmul = matmul) -> jax.Array:
     """The LoRA adapters' addition to `x @ W` [T, out] for one projection held as `models.lora`
     lays it out: every slot's shrink in one matmul, the columns of slots other than the token's
-    zeroed by `mask` [T, L], then every slot's expand in one matmul."""
+    zeroed by `mask` [T, L], then every slot's expand in one matmul; both through the layer's
+    `matmul` (batch-invariant, its tiles)."""
     t, num_slots = mask.shape
-    shrunk = (x @ w["a"]).reshape(t, num_slots, -1) * mask[:, :, None]
-    return shrunk.reshape(t, -1) @ w["b"]
+    shrunk = matmul(x, w["a"]).reshape(t, num_slots, -1) * mask[:, :, None]
+    return matmul(shrunk.reshape(t, -1), w["b"])
 
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, tuple, int | None], tuple[jax.Array, tuple]]
@@ -211,7 +212,7 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
 
     def project(h: jax.Array, name: str) -> jax.Array:
         out = matmul(h, p[name])
-        return out + lora_delta(h, lora[name], lora_mask) if lora else out
+        return out + lora_delta(h, lora[name], lora_mask, matmul) if lora else out
 
     def norm(h: jax.Array, name: str) -> jax.Array:
         return rms_norm(h, p[name], cfg.rms_norm_eps, cfg.gemma)

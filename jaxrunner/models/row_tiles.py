@@ -6,7 +6,8 @@ around it has more or fewer rows (on the CPU already between 1, 2 and 64 rows), 
 reduction (a softmax's sum) differs between one row and several. Cut into tiles of a fixed number
 of rows and run one tile at a time (a loop, which XLA does not fuse back into one call), every row
 goes through a call of one shape, so its bits depend on its own values only: neither on the batch
-size nor on its position in the batch.
+size nor on its position in the batch. There are always two tiles at least: XLA inlines a loop of
+one round, whose body then fuses with what surrounds it, and its sums change.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def row_tiled(f: Callable, rows, *whole):
     """f(rows, *whole) computed TILE_ROWS rows at a time: `rows` a pytree whose arrays all have the
     same M rows first (padded with zero rows to whole tiles), `whole` passed to every call as it is."""
     m = jax.tree.leaves(rows)[0].shape[0]
-    count = -(-m // TILE_ROWS)
+    count = max(-(-m // TILE_ROWS), 2)  # a loop of one round is inlined, and then fused otherwise
 
     def tiles(a: jax.Array) -> jax.Array:  # (shapes spelled out: a zero-width array has no -1 to infer)
         padded = jnp.pad(a, ((0, count * TILE_ROWS - m),) + ((0, 0),) * (a.ndim - 1))
@@ -31,3 +32,8 @@ def row_tiled(f: Callable, rows, *whole):
 
     out = jax.lax.map(lambda tile: f(tile, *whole), jax.tree.map(tiles, rows))
     return jax.tree.map(lambda a: a.reshape(count * TILE_ROWS, *a.shape[2:])[:m], out)
+
+
+def per_row(f: Callable, rows, tiled: bool):
+    """f(rows), computed a tile of rows at a time when `tiled` (`row_tiled`)."""
+    return row_tiled(f, rows) if tiled else f(rows)

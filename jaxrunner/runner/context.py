@@ -78,8 +78,10 @@ class Context:
 
     @property
     def decode_form(self) -> bool:
-        """Whether the backbone has a decode form: only the Pallas kernels have a decode kernel."""
-        return self.kernels.pallas
+        """Whether the backbone has a decode form: only the Pallas kernels have a decode kernel, and
+        batch-invariant steps do without it (a decode then runs the kernel that a mixed batch runs,
+        and its KV splits would follow the batch's size)."""
+        return self.kernels.pallas and not self.kernels.batch_invariant
 
     def uniform_decode(self, num_scheduled: dict[str, int]) -> bool:
         """Whether a batch runs the backbone's decode form: there is one, and every sequence has at most

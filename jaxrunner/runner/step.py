@@ -35,7 +35,7 @@ from jaxrunner.models.attention import AttentionMetadata, paged_attend
 from jaxrunner.models.llama import MODEL_AXIS, Params, compute_logits, forward, slot_mask
 from jaxrunner.models.moe import GroupedMatmul
 from jaxrunner.models.quantization import Matmul
-from jaxrunner.models.row_tiles import row_tiled
+from jaxrunner.models.row_tiles import per_row, row_tiled
 from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.runner.state import RunnerState
 from jaxrunner.sampling import SamplerFlags, SamplerOutput, SamplingMetadata, compute_logprobs, sample
@@ -219,8 +219,7 @@ def sample_step(
     def draw(rows: tuple) -> SamplerOutput:
         return sample(rows[0], rows[1], flags, rows[2], kernels)
 
-    rows = (logits, samples.sampling, history)
-    out = row_tiled(draw, rows) if kernels.batch_invariant else draw(rows)
+    out = per_row(draw, (logits, samples.sampling, history), kernels.batch_invariant)
     token_ids = state.token_ids.at[samples.commit_rows, samples.sampling.positions].set(out.tokens, mode="drop")
     return out, dataclasses.replace(state, token_ids=token_ids)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxrunner.config import Kernels, ModelConfig, SpeculativeConfig
 from jaxrunner.models.llama import Params
+from jaxrunner.models.row_tiles import per_row
 from jaxrunner.runner.state import RunnerState
 from jaxrunner.runner.step import SampleInputs, full_logits
 from jaxrunner.sampling import NO_LOGPROBS, SamplerFlags, SamplerOutput, compute_logprobs, process_logits
@@ -37,7 +38,8 @@ def spec_sample_step(
     """
     b, k = samples.commit_rows.shape[0], spec.num_speculative_tokens
     k1, num_rows = 1 + k, state.token_ids.shape[0]
-    logits = full_logits(params, model, last_hidden[:b].reshape(b * k1, -1)).astype(jnp.float32)
+    tiled = kernels.batch_invariant
+    logits = full_logits(params, model, last_hidden[:b].reshape(b * k1, -1), tiled).astype(jnp.float32)
     slots = jnp.minimum(samples.history_rows, num_rows - 1)
     base = jnp.where(samples.relative, state.lens[slots] + samples.sampling.positions, samples.sampling.positions)
     positions = base[:, None] + jnp.arange(k1)[None, :]  # [B, 1 + k]
@@ -47,7 +49,7 @@ def spec_sample_step(
                              grammar_bitmask=masks.reshape(b * k1, masks.shape[1] // k1))
     history = (state.token_ids[jnp.repeat(samples.history_rows, k1)] if flags.penalties or flags.bad_words
                else jnp.zeros((b * k1, 0), jnp.int32))
-    processed = process_logits(logits, md, flags, history, kernels)
+    processed = per_row(lambda r: process_logits(r[0], r[1], flags, r[2], kernels), (logits, md, history), tiled)
     drafts = jnp.take_along_axis(state.token_ids[slots], jnp.clip(positions[:, :k], 0, state.token_ids.shape[1] - 1), axis=1)
     num_drafts = jnp.minimum(samples.num_drafts, k)
     tokens, num_kept = verify_drafts(processed, md, drafts, num_drafts, state.draft_probs[slots] if draft_model else None)
@@ -72,7 +74,8 @@ def spec_sample_step(
         values, ids, ranks = empty, empty.astype(jnp.int32), jnp.zeros(b * k1, jnp.int32)
     else:
         source = processed if flags.logprobs_mode.startswith("processed") else logits
-        values, ids, ranks = compute_logprobs(source, flat, flags.num_logprobs, flags.logprobs_mode.endswith("logits"))
+        values, ids, ranks = per_row(lambda r: compute_logprobs(
+            r[0], r[1], flags.num_logprobs, flags.logprobs_mode.endswith("logits")), (source, flat), tiled)
 
     def steps_first(x: jax.Array) -> jax.Array:  # [B * (1 + k), ...] -> [1 + k, B, ...]
         return jnp.swapaxes(x.reshape(b, k1, *x.shape[1:]), 0, 1)
