@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The serving figures on one H200, from the repo root with the results under $OUT; each part fits
 # one device call (10 minutes).
-#   bash benchmarks/serving.sh tests      # the GPU tests: parity, kernels, sampler, warm-up, the Pallas runner
+#   bash benchmarks/serving.sh tests      # the GPU tests: parity, kernels, sampler, warm-up, the Pallas runner, host tier, batch invariance
 #   bash benchmarks/serving.sh latency    # W1 with the HF peer
 #   bash benchmarks/serving.sh startup    # 8B start-up with the default configuration, cold and cached
 #   bash benchmarks/serving.sh decode     # projection layouts; batch 64 x 4k and W1 profiles (both layer forms); tokens/s vs batch (PNG)
@@ -14,6 +14,7 @@
 #   bash benchmarks/serving.sh families   # Gemma, MoE and KV-cache groups on the GPU: parity, the engine's groups, fp8's logit error
 #   bash benchmarks/serving.sh moe        # the Qwen3-30B-A3B shape's decode at batch 1 and 64, each with the HF peer
 #   bash benchmarks/serving.sh offload    # the prefix cache's host tier: TTFT of 8k prefixes revisited after eviction, recomputed vs loaded (8B shape)
+#   bash benchmarks/serving.sh invariant  # batch invariance at W2's scale (a request alone vs in 256), and the mode's cost on W1 and W2
 #   bash benchmarks/serving.sh quant      # W1 in bf16 (with the HF peer), fp8, int8 and int4; W2 in bf16 and fp8; the kernel's matmuls
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -23,7 +24,8 @@ case "$1" in
     timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_parity.py tests/test_ragged_paged_attention_gpu.py \
       tests/test_sampler.py tests/test_quantized_matmul.py -k "not matches_reference" 2>&1 | tail -5
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_warmup.py tests/test_kv_sizing.py tests/test_hf_parity.py \
-      -k "warmed_up or directly or peak or pallas" 2>&1 | tail -5 ;;
+      -k "warmed_up or directly or peak or pallas" 2>&1 | tail -5
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_host_tier.py tests/test_batch_invariant.py 2>&1 | tail -5 ;;
   latency)
     timeout 330 python3 -m jaxrunner.cli bench latency --json "$OUT/w1.json" 2>&1 | tail -8 ;;
   startup)
@@ -38,6 +40,12 @@ case "$1" in
       python3 benchmarks/profile.py --batch 1 --context 128 --steps 16 --decode-steps 8 $form | head -12
     done
     timeout 300 python3 benchmarks/batch_sweep.py --shape llama3-8b --context 1024 ;;
+  invariant)
+    timeout 240 python3 benchmarks/batch_invariance.py 2>&1 | tail -32
+    for flag in "" --batch-invariant; do  # the mode's cost: W1 and W2 without, then with it
+      timeout 150 python3 -m jaxrunner.cli bench latency --no-peer $flag --json "$OUT/w1${flag:+_invariant}.json" 2>&1 | grep jaxrunner
+      timeout 200 python3 -m jaxrunner.cli bench throughput --no-peer $flag --json "$OUT/w2${flag:+_invariant}.json" 2>&1 | tr '\r' '\n' | grep jaxrunner
+    done ;;
   offload)
     timeout 590 python3 benchmarks/kv_offload.py --shape llama3-8b --prefix 8192 --users 4 --rounds 2 --warm-up 2>&1 | tail -4 ;;
   throughput)

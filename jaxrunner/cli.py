@@ -185,6 +185,8 @@ def _add_bench_parser(commands) -> None:
                               help="the layers' weights in this format (the peer stays in bf16)")
         workload.add_argument("--gpu-memory-utilization", type=float,
                               help="the fraction of device memory the runner may take (default: the engine's)")
+        workload.add_argument("--batch-invariant", action="store_true",
+                              help="a request's bits do not depend on its batch (the mode's cost)")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -196,7 +198,8 @@ def bench(args: argparse.Namespace) -> int:
     common = dict(shape_name=args.shape, num_scheduler_steps=args.num_scheduler_steps,
                   async_scheduling=args.async_scheduling, seed=args.seed, peer=args.peer,
                   speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
-                  quantization=args.quantization, gpu_memory_utilization=args.gpu_memory_utilization)
+                  quantization=args.quantization, gpu_memory_utilization=args.gpu_memory_utilization,
+                  batch_invariant=args.batch_invariant)
     if args.workload == "latency":
         module = latency
         result = latency.run(prompt=args.prompt, new=args.new, iters=args.iters, oracle=args.oracle, **common)

@@ -121,7 +121,9 @@ def test_bad_offloading_sizes_fail_at_once(kwargs, message):
         EngineArgs(**kwargs)
 
 
-def test_an_offloading_size_below_one_block_says_so():
-    with pytest.raises(ValueError, match=r"kv_offloading_size=1e-09 GiB holds no KV block of \d+ bytes; raise it"):
+@pytest.mark.parametrize("size, message", [(1e-9, r"1e-09 GiB holds no KV block of \d+ bytes; raise it"),
+                                           (1e6, r"1000000.0 GiB is more than this machine's [\d.]+ GiB of memory")])
+def test_an_offloading_size_that_does_not_fit_says_so(size, message):
+    with pytest.raises(ValueError, match=f"kv_offloading_size={message}"):
         LLM(str(DATA / "models" / "tiny-llama"), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
-            kv_offloading_size=1e-9)
+            kv_offloading_size=size)

@@ -218,6 +218,19 @@ def test_plain_requests_beside_structured_ones_keep_their_tokens(plain_alone, as
     check_tiny_structured(outs[len(PLAIN):])
 
 
+def test_batch_invariant_structured_requests_give_the_same_outputs_alone_and_beside_others():
+    """`batch_invariant=True` composes with grammars: the structured requests' outputs (their masks
+    applied: they match) are the same alone and among plain requests."""
+    llm = LLM(**{**ENGINE, "max_num_seqs": 8, "max_num_batched_tokens": 128, "num_gpu_blocks_override": 64},
+              batch_invariant=True)
+    outputs = lambda requests: [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in llm.generate(
+        [p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)]
+    alone = [outputs([request])[0] for request in TINY_STRUCTURED]
+    together = outputs(PLAIN + TINY_STRUCTURED)[len(PLAIN):]
+    assert together == alone
+    check_tiny_structured(together)
+
+
 def test_structured_requests_come_back_whole_after_preemption():
     want = tiny_generate(PLAIN + TINY_STRUCTURED, async_scheduling=False)[0]
     outs, errors, llm = tiny_generate(PLAIN + TINY_STRUCTURED, num_gpu_blocks_override=13, block_size=8)

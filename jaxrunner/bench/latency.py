@@ -87,6 +87,7 @@ def run(
     tensor_parallel_size: int = 1,
     quantization: str | None = None,
     gpu_memory_utilization: float | None = None,
+    batch_invariant: bool = False,
 ) -> dict:
     """One warm-up generation (every graph compiled), then `iters` timed ones, each with a fresh
     random prompt; the peer runs first, in its own process, on the same prompts."""
@@ -107,6 +108,8 @@ def run(
         args.update(quantization=quantization)
     memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     args.update(memory)
+    if batch_invariant:
+        args.update(batch_invariant=True)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, model.vocab_size, prompt).tolist() for _ in range(iters + 1)]
@@ -128,6 +131,7 @@ def run(
         speculative_config=speculative_config,
         tensor_parallel_size=tensor_parallel_size,
         quantization=quantization,
+        batch_invariant=batch_invariant,
         **memory,
     )
     engine = llm.llm_engine

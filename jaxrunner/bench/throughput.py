@@ -47,6 +47,7 @@ def run(
     quantization: str | None = None,
     data_parallel_size: int = 1,
     gpu_memory_utilization: float | None = None,
+    batch_invariant: bool = False,
 ) -> dict:
     """A short warm-up generation (a few requests, prompts of their own so the prefix cache cannot
     serve the timed ones), then one timed `generate` of all the requests; the peer runs first, in
@@ -68,6 +69,8 @@ def run(
         args.update(quantization=quantization)
     memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     args.update(memory)
+    if batch_invariant:
+        args.update(batch_invariant=True)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_prompt, max_prompt + 1, num_prompts)
@@ -89,6 +92,7 @@ def run(
         speculative_config=speculative_config,
         tensor_parallel_size=tensor_parallel_size,
         quantization=quantization,
+        batch_invariant=batch_invariant,
         **memory,
         data_parallel_size=data_parallel_size,
         **lora_args,

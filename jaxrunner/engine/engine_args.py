@@ -228,6 +228,10 @@ def _num_host_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig,
     """The host tier's blocks in kv_offloading_size GiB: whole blocks, every device's share of them."""
     if args.kv_offloading_size is None:
         return 0
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if args.kv_offloading_size * 2**30 > memory:
+        raise ValueError(f"kv_offloading_size={args.kv_offloading_size} GiB is more than this machine's "
+                         f"{memory / 2**30:.1f} GiB of memory; lower it")
     per_block = bytes_per_block(model, cfg, draft[0] if draft else None) * cfg.tensor_parallel_size
     num = int(args.kv_offloading_size * 2**30) // per_block
     if num < 1:
