@@ -13,7 +13,9 @@ from pathlib import Path
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
@@ -227,8 +229,25 @@ def test_a_damaged_cache_converts_anew_and_work_left_by_killed_conversions_goes(
         open_checkpoint(out).load()
     assert "\n" not in str(info.value) and "delete the directory" in str(info.value)
     assert model_files.converted(str(path)) == out  # converted anew
-    jax.tree.map(np.testing.assert_array_equal, open_checkpoint(out).load(), want)
+    for _ in range(2):  # handed over by the conversion, then read back from its files
+        jax.tree.map(np.testing.assert_array_equal, open_checkpoint(out).load(), want)
     assert [d.exists() for d in work.values()] == [False, True, True]  # this host's dead one only
+
+
+def test_the_start_that_converts_takes_the_params_from_memory_once(tmp_path, monkeypatch):
+    """The conversion hands its params over: the first load in its dtype reads no file; the next
+    ones, and a load in another dtype, restore the files."""
+    monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path / "cache"))
+    out = model_files.converted(str(write_gguf(tmp_path / "m.gguf", "tiny-qwen3")))
+    restores = []
+    restore = ocp.StandardCheckpointer.restore
+    monkeypatch.setattr(ocp.StandardCheckpointer, "restore", lambda self, *a, **k: restores.append(1) or restore(self, *a, **k))
+    first, second = open_checkpoint(out).load(), open_checkpoint(out).load()
+    assert len(restores) == 1
+    jax.tree.map(np.testing.assert_array_equal, first, second)
+    other = model_files.converted(str(write_gguf(tmp_path / "n.gguf", "tiny-qwen3")))
+    assert open_checkpoint(other).load("bfloat16")["embed"].dtype == jnp.bfloat16  # not the float32 handed over
+    assert len(restores) == 2
 
 
 def test_an_unwritable_cache_is_named(tmp_path, monkeypatch):

@@ -79,6 +79,9 @@ class Checkpoint:
 
 
 PARAMS_DIR = "params"  # the orbax checkpoint inside a directory written by save_params
+# Params this process saved and then handed over (`hand_over`), by directory: the start that just
+# converted a model takes them from memory instead of reading back the files it wrote.
+_handed_over: dict[str, Params] = {}
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ class SavedParams:
         """Every param restored straight onto the device in `dtype` (orbax casts as it reads)."""
         import orbax.checkpoint as ocp
 
+        params = _handed_over.pop(os.path.realpath(self.path), None)
+        if params is not None and params["embed"].dtype == jnp.dtype(dtype):
+            return params
         target = param_structs(self.config, dtype, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         try:
             return ocp.StandardCheckpointer().restore(os.path.join(self.path, PARAMS_DIR), target)
@@ -108,6 +114,12 @@ def save_params(path: str, params: Params) -> None:
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.join(os.path.abspath(path), PARAMS_DIR), params)
     checkpointer.wait_until_finished()
+
+
+def hand_over(path: str, params: Params) -> None:
+    """`params`, which `save_params` wrote into what is now the directory `path`, for the next
+    `SavedParams.load` of it in their dtype (once)."""
+    _handed_over[os.path.realpath(path)] = params
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint | SavedParams:

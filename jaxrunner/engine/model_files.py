@@ -33,7 +33,7 @@ import tempfile
 from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.engine.gguf_tokenizer import gguf_tokenizer
 from jaxrunner.checkpoints.gguf_file import gguf_path
-from jaxrunner.checkpoints.loader import open_checkpoint, save_params
+from jaxrunner.checkpoints.loader import hand_over, open_checkpoint, save_params
 
 logger = logging.getLogger(__name__)
 
@@ -141,13 +141,15 @@ def converted(gguf: str, need_tokenizer: bool = True, dtype: str = "float32") ->
         hf_config.save_pretrained(work)
         if tokenizer is not None:
             tokenizer.save_pretrained(work)
-        save_params(work, checkpoint.load(dtype))
+        params = checkpoint.load(dtype)
+        save_params(work, params)
         sizes = {os.path.relpath(f, work): os.path.getsize(f)
                  for f in glob.glob(os.path.join(work, "**"), recursive=True) if os.path.isfile(f)}
         with open(os.path.join(work, MANIFEST), "w") as f:
             json.dump(sizes, f)
         try:
             os.rename(work, out)
+            hand_over(out, params)  # this start loads them from memory
         except OSError:  # another process converted it meanwhile: keep theirs
             if not os.path.isdir(out):
                 raise
