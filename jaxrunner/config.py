@@ -50,11 +50,14 @@ def quantization_group(k: int, fmt: str) -> int:
 def checkpoint_quantization(spec: dict | None) -> str | None:
     """The format of a checkpoint's quantized weights, from its config's `quantization_config`: fp8
     as compressed-tensors stores it (RedHatAI's releases: e4m3 per channel or per tensor) or as
-    "fp8" (Qwen's: e4m3 in 128 x 128 blocks). Other methods are named in a ValueError."""
+    "fp8" (Qwen's: e4m3 in 128 x 128 blocks), or one of our formats as jaxrunner's own conversions
+    store it ({"quant_method": "jaxrunner", "format": "int4"}). Other methods are named in a ValueError."""
     if spec is None:
         return None
     spec = spec if isinstance(spec, dict) else spec.to_dict()
     method = spec.get("quant_method")
+    if method == "jaxrunner" and spec.get("format") in QUANTIZATION_FORMATS:
+        return spec["format"]
     if method == "fp8" and spec.get("fmt", "e4m3") == "e4m3":
         return "fp8"
     if method == "compressed-tensors":

@@ -22,7 +22,9 @@ from safetensors.numpy import load_file
 
 from jaxrunner import LLM, SamplingParams
 from jaxrunner.engine import model_files
+from jaxrunner.checkpoints.gguf_blocks import unpack_int4
 from jaxrunner.checkpoints.loader import SavedParams, load_model, open_checkpoint
+from jaxrunner.models.quantization import Quantized, dequantize
 
 MODELS = Path(__file__).parent / "data" / "models"
 ARCH = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3moe",
@@ -248,6 +250,52 @@ def test_the_start_that_converts_takes_the_params_from_memory_once(tmp_path, mon
     other = model_files.converted(str(write_gguf(tmp_path / "n.gguf", "tiny-qwen3")))
     assert open_checkpoint(other).load("bfloat16")["embed"].dtype == jnp.bfloat16  # not the float32 handed over
     assert len(restores) == 2
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_4bit_blocks_unpack_to_the_floats_gguf_dequantizes(qtype):
+    """Scale * q + offset per run of 32, bitwise gguf.quants.dequantize's floats (Q4_K's blocks are
+    random bytes with finite float16 scales: the package does not quantize to it)."""
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 6, 512
+    if qtype == Q.Q4_K:
+        data = rng.integers(0, 256, (rows, cols // 256 * 144), dtype=np.uint8)
+        data.reshape(rows, -1, 144)[..., :4] = rng.uniform(1e-3, 0.1, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    else:
+        data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    values, scales, offsets = unpack_int4(data, qtype)
+    assert values.dtype == np.uint8 and values.max() <= 15 and scales.shape == offsets.shape == (rows, cols // 32)
+    got = values.reshape(rows, -1, 32).astype(np.float32) * scales[..., None] + offsets[..., None]
+    np.testing.assert_array_equal(got.reshape(rows, cols), gguf.quants.dequantize(data, qtype))
+
+
+@pytest.mark.parametrize("model, qtype", [("tiny-llama", Q.Q4_0), ("tiny-qwen3-moe", Q.Q4_1)])
+def test_int4_holds_a_gguf_files_4bit_blocks_as_they_are(model, qtype, tmp_path, monkeypatch):
+    """quantization="int4" on a file of 4-bit weights converts on its own: every quantized weight (the
+    q/k rows in Hugging Face's order; an MoE model's attention) is the file's blocks, dequantizing
+    bitwise to the dense conversion's weights, handed over and read back alike; the engine
+    generates the dense model's tokens from them."""
+    monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path / "cache"))
+    path = str(write_gguf(tmp_path / "m.gguf", model, qtype))
+    dense = open_checkpoint(model_files.converted(path)).load()
+    held = model_files.converted(path, quantization="int4")
+    assert held != model_files.converted(path) and open_checkpoint(held).config.quantization == "int4"
+    for params in (open_checkpoint(held).load(), open_checkpoint(held).load()):
+        quantized = 0
+        for layer, want in zip(params["layers"], dense["layers"]):
+            for name, w in layer.items():
+                if isinstance(w, Quantized):
+                    quantized += 1
+                    assert w.values.dtype == jnp.uint4 and w.scales.shape[-2] == w.values.shape[-1] // 32
+                    np.testing.assert_array_equal(dequantize(w, jnp.float32), want[name])
+        assert quantized >= 2 * len(params["layers"])
+    tokens = []
+    for quantization in (None, "int4"):
+        with LLM(path, quantization=quantization, skip_tokenizer_init=True, dtype="float32", max_model_len=64) as llm:
+            outs = llm.generate([{"prompt_token_ids": [5, 9, 13, 2, 7]}], SamplingParams(temperature=0.0, max_tokens=12),
+                                use_tqdm=False)
+            tokens.append(outs[0].outputs[0].token_ids)
+    assert tokens[0] == tokens[1]
 
 
 def test_an_unwritable_cache_is_named(tmp_path, monkeypatch):

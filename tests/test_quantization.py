@@ -115,8 +115,8 @@ needs_wheel = pytest.mark.skipif(model_files.default_gguf() is None,
 @needs_wheel
 def test_perplexity_on_real_weights_stays_near_the_dense_models():
     """SmolLM2-135M in bf16 and in each format, prompt logprobs over the same text. Its GGUF holds
-    Q4_1 weights (4 bits in groups of 32 with a scale and a minimum), so int4 holds them without
-    loss but for the scales' rounding; int8's groups of 64 (576 rows do not split in 128s) nearly so."""
+    Q4_1 weights (4 bits in groups of 32 with a scale and a minimum), which int4 holds as they are:
+    the bf16 model's perplexity; int8's groups of 64 (576 rows do not split in 128s) nearly so."""
     text = (DATA / "text" / "harbour.txt").read_text()
 
     def score(quantization: str | None) -> float:
@@ -128,7 +128,7 @@ def test_perplexity_on_real_weights_stays_near_the_dense_models():
     dense = score(None)
     assert 20 < dense < 60  # a sane model on plain English
     ratios = {fmt: score(fmt) / dense for fmt in FORMATS}
-    assert ratios["int4"] < 1.01 and ratios["int8"] < 1.01, ratios
+    assert abs(ratios["int4"] - 1) < 1e-4 and ratios["int8"] < 1.01, ratios
     assert ratios["fp8"] < 1.03, ratios  # e4m3's 3 mantissa bits on weights and activations
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxrunner.checkpoints.gguf_blocks import INT4_TYPES, unpack_int4
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.tensors import LM_HEAD, each_tensor
 
@@ -145,13 +146,28 @@ class GGUFFile:
 
         tensor, expert = self.tensors[name]
         data = tensor.data if expert is None else tensor.data[expert]
-        values = dequantize(data, tensor.tensor_type).reshape(self.shape(name))
-        if self.architecture in _PERMUTED_QK and name.endswith((".q_proj.weight", ".k_proj.weight")):
-            heads = self.metadata[f"{self.architecture}.attention.head_count" + ("_kv" if ".k_proj" in name else "")]
-            values = _unpermute_rotary(values, int(heads))
+        values = self._rows(name, dequantize(data, tensor.tensor_type).reshape(self.shape(name)))
         if self.architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
             values = values - 1.0
         return values
+
+    def read_int4(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """A linear weight held in 4-bit blocks as they are (`gguf_blocks`): its 4-bit values
+        (uint8 [out, in]) and each run of 32's scale and offset (float32 [out, in / 32]); None
+        for a tensor of another type."""
+        tensor, expert = self.tensors[name]
+        if tensor.tensor_type not in INT4_TYPES:
+            return None
+        data = tensor.data if expert is None else tensor.data[expert]
+        return tuple(self._rows(name, part) for part in unpack_int4(data.reshape(self.shape(name)[0], -1),
+                                                                     tensor.tensor_type))
+
+    def _rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """A tensor's rows in Hugging Face's order (llama.cpp reorders the q and k projections')."""
+        if self.architecture in _PERMUTED_QK and name.endswith((".q_proj.weight", ".k_proj.weight")):
+            heads = self.metadata[f"{self.architecture}.attention.head_count" + ("_kv" if ".k_proj" in name else "")]
+            return _unpermute_rotary(rows, int(heads))
+        return rows
 
 
 def open_gguf(path: str) -> GGUFFile:

@@ -123,7 +123,7 @@ class LLMEngine:
         built_in = False
         if args.load_format == "auto":  # the model's files on local disk (None: the tiny random model)
             need_tokenizer = args.tokenizer is None and not args.skip_tokenizer_init
-            local = local_model(args.model, need_tokenizer, conversion_dtype(args))
+            local = local_model(args.model, need_tokenizer, conversion_dtype(args), args.quantization)
             built_in = args.model is None and local is not None
             args = dataclasses.replace(args, model=local)
         self.args = args

