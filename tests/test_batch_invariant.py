@@ -102,6 +102,16 @@ def test_ngram_speculation_gives_the_bits_of_plain_sampling_in_any_batch(model_d
         assert llm.llm_engine.stats().spec_decoding["num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_multi_step_decode_keeps_the_bits_of_single_steps(model_dir, alone, seeded):
+    """Decoding 4 steps a call (its rounds in one program), alone and in a batch: the bits of one
+    step at a time."""
+    with LLM(model_dir, batch_invariant=True, num_scheduler_steps=4, **ENGINE) as llm:
+        for others, seed in ((0, 6), (4, 7)):
+            batch, place = random_batch(TARGET, others, seed)
+            assert run(llm, batch, params(seeded), place) == alone[0][seeded]
+
+
 def test_a_lora_request_gives_the_same_bits_in_any_batch(model_dir, tmp_path):
     """A request with an adapter, alone and among requests with another adapter or none: the same
     bits, and not the base model's."""
