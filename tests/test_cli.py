@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import jaxrunner.engine.llm
 from jaxrunner.cli import main
 from jaxrunner.engine.default_model import default_tokenizer
 
@@ -104,3 +105,22 @@ def test_structured_output_flags(model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*base, "--json-schema", "@/no/such/file", "x"])
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, eager", [([], True), (["--no-enforce-eager"], False), (["--enforce-eager"], True)])
+def test_generate_compiles_only_what_its_prompts_use_unless_told(monkeypatch, flags, eager):
+    """A one-shot command: its few prompts use a few buckets, which compile when first used, rather
+    than every bucket at start-up (the engine's default on a GPU)."""
+    seen = {}
+
+    class Opened(Exception):
+        pass
+
+    def opened(**kwargs):
+        seen.update(kwargs)
+        raise Opened
+
+    monkeypatch.setattr(jaxrunner.engine.llm, "LLM", opened)
+    with pytest.raises(Opened):
+        main(["generate", *flags, "hi"])
+    assert seen["enforce_eager"] is eager
