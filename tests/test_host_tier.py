@@ -4,6 +4,7 @@ back when a prefix comes back (the scheduler's side is in test_scheduler, with a
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import jax
@@ -121,9 +122,15 @@ def test_bad_offloading_sizes_fail_at_once(kwargs, message):
         EngineArgs(**kwargs)
 
 
-@pytest.mark.parametrize("size, message", [(1e-9, r"1e-09 GiB holds no KV block of \d+ bytes; raise it"),
-                                           (1e6, r"1000000.0 GiB is more than this machine's [\d.]+ GiB of memory")])
-def test_an_offloading_size_that_does_not_fit_says_so(size, message):
+@pytest.mark.parametrize("size, replicas, message", [
+    (1e-9, 1, r"1e-09 GiB holds no KV block of \d+ bytes; raise it"),
+    (1e6, 1, r"1000000.0 GiB is more than this machine's [\d.]+ GiB of memory"),
+    (0.6, 2, r"[\d.]+ GiB times data_parallel_size=2 is more than this machine's [\d.]+ GiB of memory"),
+])
+def test_an_offloading_size_that_does_not_fit_says_so(size, replicas, message):
+    """(The third case's size is 60% of this machine's memory: each replica takes it.)"""
+    if replicas > 1:
+        size = round(size * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 3)
     with pytest.raises(ValueError, match=f"kv_offloading_size={message}"):
         LLM(str(DATA / "models" / "tiny-llama"), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
-            kv_offloading_size=size)
+            kv_offloading_size=size, data_parallel_size=replicas)

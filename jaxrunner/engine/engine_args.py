@@ -69,7 +69,8 @@ class EngineArgs:
     or "int4" (weight-only), quantized from the checkpoint as it loads (`models.quantization`).
     `generation_config`: where requests' sampling defaults come from, "auto" (the model's
     generation_config.json), "vllm" (SamplingParams' own) or a directory (`engine.generation_config`).
-    `kv_offloading_size`: GiB of host memory for the prefix cache's second tier (vLLM's name): blocks
+    `kv_offloading_size`: GiB of host memory for the prefix cache's second tier (vLLM's name; each
+    data-parallel replica has its own): blocks
     evicted from the device are kept there, and a prefix found there is copied back instead of
     computed again (`engine.host_tier`); needs enable_prefix_caching."""
 
@@ -225,12 +226,14 @@ def runner_config(
 
 def _num_host_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig,
                      draft: tuple[ModelConfig, Params] | None) -> int:
-    """The host tier's blocks in kv_offloading_size GiB: whole blocks, every device's share of them."""
+    """The host tier's blocks in kv_offloading_size GiB (each data-parallel replica's own): whole
+    blocks, every device's share of them."""
     if args.kv_offloading_size is None:
         return 0
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if args.kv_offloading_size * 2**30 > memory:
-        raise ValueError(f"kv_offloading_size={args.kv_offloading_size} GiB is more than this machine's "
+    if args.kv_offloading_size * args.data_parallel_size * 2**30 > memory:
+        replicas = f" times data_parallel_size={args.data_parallel_size}" if args.data_parallel_size > 1 else ""
+        raise ValueError(f"kv_offloading_size={args.kv_offloading_size} GiB{replicas} is more than this machine's "
                          f"{memory / 2**30:.1f} GiB of memory; lower it")
     per_block = bytes_per_block(model, cfg, draft[0] if draft else None) * cfg.tensor_parallel_size
     num = int(args.kv_offloading_size * 2**30) // per_block
