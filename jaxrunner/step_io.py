@@ -75,8 +75,8 @@ class KVTransfers:
     """The KV blocks that move between the device's cache and the host tier (`engine.host_tier`)
     with a step. `saves`: (device block, host slot) pairs, copied to the host before the step
     writes anything (the blocks were just evicted from the device's prefix cache). `loads`: (host
-    slot, device block) pairs, read from the host now and written into the cache before the next
-    step runs, so that the copy overlaps this step and no request reads them in this one."""
+    slot, device block) pairs, read from the host now and written into the cache before the first
+    step after they arrived (`HostKV.arrived`), so that the copy overlaps the steps in between."""
 
     saves: tuple[tuple[int, int], ...] = ()
     loads: tuple[tuple[int, int], ...] = ()

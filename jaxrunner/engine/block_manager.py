@@ -19,9 +19,9 @@ prefix hit must then hold, in every sliding group, the blocks of the window befo
 
 With a host tier (`host_tier.HostTier`), a cached block that the free queue evicts is copied to
 host memory first, and a prefix hit may continue there: each such block (a `HostBlock` among the
-hits) gets a fresh device block that the runner copies it into before the next step. Those blocks
-are registered only by the request's next allocation, so no request reads them before they
-arrive (the scheduler holds the request back a step: `Scheduler.loading`).
+hits) gets a fresh device block that the runner copies it into. Those blocks are registered only
+by the request's next allocation, which the scheduler makes once they have arrived
+(`Scheduler.loading`), so no request reads them sooner.
 """
 
 from __future__ import annotations

@@ -69,9 +69,9 @@ class HostTier:
         self.stats.blocks_saved += 1
 
     def load(self, slot: int, block: int) -> None:
-        """Copy the slot (as `find` gave it) into the device block `block` before the next step
-        runs. The runner reads this step's loads before it writes its saves, so the slot may be
-        given to a save meanwhile."""
+        """Copy the slot (as `find` gave it) into the device block `block` (it arrives by a later
+        step, `arrived`). The runner reads this step's loads before it writes its saves, so the
+        slot may be given to a save meanwhile."""
         self._loads.append((slot, block))
         self.stats.blocks_loaded += 1
 
