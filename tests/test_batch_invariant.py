@@ -110,6 +110,7 @@ def test_multi_step_decode_keeps_the_bits_of_single_steps(model_dir, alone, seed
         for others, seed in ((0, 6), (4, 7)):
             batch, place = random_batch(TARGET, others, seed)
             assert run(llm, batch, params(seeded), place) == alone[0][seeded]
+        assert any(key[0] == "decode_loop" for key in llm.llm_engine.runner.programs.asked)  # rounds in one call
 
 
 def test_a_lora_request_gives_the_same_bits_in_any_batch(model_dir, tmp_path):
