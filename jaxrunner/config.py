@@ -46,6 +46,45 @@ def quantization_group(k: int, fmt: str) -> int:
     return k if fmt == "fp8" else math.gcd(k, _GROUPS[fmt])
 
 
+@dataclass(frozen=True)
+class WeightFormat:
+    """How one of the layers' quantized weights is held: by default as `ModelConfig.quantization`
+    says (`ModelConfig.weight_format`); a GGUF file's conversion keeps each weight as its blocks hold
+    it instead (`checkpoints.gguf_blocks`), which its config records (`quantization_config`)."""
+
+    weight: str  # its params key: wqkv, wo, w_gate_up or w_down (`models.tensors`)
+    format: str  # one of QUANTIZATION_FORMATS
+    group: int  # rows of K that share a scale (and an offset)
+    offsets: bool  # w = scale * q + offset per group; else w = scale * q
+
+    def __post_init__(self) -> None:
+        if (self.format not in QUANTIZATION_FORMATS or not isinstance(self.group, int) or self.group < 1
+                or not isinstance(self.offsets, bool) or self.format == "int4" and not self.offsets
+                or self.format == "fp8" and self.offsets):
+            raise ValueError(f"weight format {self} cannot be held: the format must be one of "
+                             f"{', '.join(QUANTIZATION_FORMATS)}, the group a positive int, and offsets a bool "
+                             "(always for int4, never for fp8)")
+
+
+def quantization_config(fmt: str, weights: tuple[WeightFormat, ...] = ()) -> dict:
+    """The `quantization_config` of a checkpoint jaxrunner writes in its own formats, which
+    `checkpoint_quantization` and `checkpoint_weight_formats` read back."""
+    held = {w.weight: {"format": w.format, "group": w.group, "offsets": w.offsets} for w in weights}
+    return {"quant_method": "jaxrunner", "format": fmt} | ({"weights": held} if held else {})
+
+
+def checkpoint_weight_formats(spec: dict | None) -> tuple[WeightFormat, ...]:
+    """The weights a jaxrunner checkpoint holds otherwise than its format's default, from its
+    `quantization_config` (`quantization_config`); () for any other checkpoint."""
+    spec = spec if spec is None or isinstance(spec, dict) else spec.to_dict()
+    if not spec or spec.get("quant_method") != "jaxrunner":
+        return ()
+    try:
+        return tuple(WeightFormat(name, w["format"], w["group"], w["offsets"]) for name, w in spec.get("weights", {}).items())
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"quantization_config's weights must map each weight to its format, group and offsets "
+                         f"({type(e).__name__}: {e}); got {spec.get('weights')!r}") from None
+
 
 def checkpoint_quantization(spec: dict | None) -> str | None:
     """The format of a checkpoint's quantized weights, from its config's `quantization_config`: fp8
@@ -120,9 +159,13 @@ class ModelConfig:
     # How the layers' linear weights are held (`models.quantization`): None (the runner's dtype),
     # "fp8", "int8" or "int4". The embedding, the LM head, the norms and the MoE experts stay dense.
     quantization: str | None = None
+    # The weights held otherwise than `quantization`'s default (`weight_format`).
+    weight_formats: tuple[WeightFormat, ...] = ()
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
+        if self.weight_formats and self.quantization is None:
+            raise ValueError("weight_formats are given but quantization is not set")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -144,6 +187,14 @@ class ModelConfig:
         of the embedding and the LM head (vLLM pads its vocab-parallel layers the same way); the
         padding's logits are cut off before anything reads them (`step.full_logits`)."""
         return -(-self.vocab_size // self.shards) * self.shards
+
+    def weight_format(self, weight: str, k: int) -> WeightFormat:
+        """How the layers' weight `weight` (K rows) is held: as `weight_formats` says, else in
+        `quantization`'s default groups (offsets for int4)."""
+        for held in self.weight_formats:
+            if held.weight == weight:
+                return held
+        return WeightFormat(weight, self.quantization, quantization_group(k, self.quantization), self.quantization == "int4")
 
     @property
     def gemma(self) -> bool:
@@ -284,6 +335,7 @@ class ModelConfig:
             bos_token_id=hf.bos_token_id,
             eos_token_ids=eos_ids,
             quantization=checkpoint_quantization(getattr(hf, "quantization_config", None)),
+            weight_formats=checkpoint_weight_formats(getattr(hf, "quantization_config", None)),
         )
 
 
@@ -466,8 +518,9 @@ class RunnerConfig:
     `kernels`: "auto", "pallas" or "reference" (see `Kernels.choose`). `compilation_cache_dir` turns
     on JAX's persistent compilation cache (process-wide) there, and the runner's program cache in
     its `programs` folder (`program_cache`: found without lowering). `batch_invariant`: a request's
-    tokens and logprobs do not depend on the batch it runs in (`Kernels.batch_invariant`); not with
-    a draft model, tensor or data parallelism, or an MoE model yet. `num_host_blocks`: the
+    tokens and logprobs do not depend on the batch it runs in (`Kernels.batch_invariant`; under
+    tensor parallelism with its partial sums added in a fixed order, MoE models with each token
+    copy on its own, a draft model's drafts verified as n-gram drafts are). `num_host_blocks`: the
     blocks of the prefix cache's host tier (`runner.host_kv`; 0: none).
     """
 
@@ -517,10 +570,6 @@ class RunnerConfig:
         if split and (self.lora.enabled or self.speculative.enabled and self.speculative.method == "draft_model"):
             raise ValueError("tensor and data parallelism do not combine with LoRA or a draft model yet; "
                              "use tensor_parallel_size=1 and data_parallel_size=1 for them")
-        if self.batch_invariant and (self.speculative.enabled and self.speculative.method == "draft_model" or split):
-            raise ValueError("batch_invariant does not combine with a draft model or with tensor and data parallelism "
-                             "yet (their products still depend on the batch); use ngram speculation, and "
-                             "tensor_parallel_size=1 and data_parallel_size=1, for it")
         if self.speculative.enabled and self.num_scheduler_steps > 1:
             raise ValueError("speculative decoding and multi-step decode (num_scheduler_steps > 1) do not combine; "
                              "use one of them")
@@ -547,9 +596,6 @@ class RunnerConfig:
                              f"draft a window no wider than the target's; the target has {len(model.kv_cache_groups)} "
                              f"groups (window {model.sliding_window}), the draft {len(draft.kv_cache_groups)} "
                              f"(window {draft.sliding_window}); use ngram speculation for this model")
-        if self.batch_invariant and model.num_experts:
-            raise ValueError(f"batch_invariant does not cover Mixture-of-Experts models ({model.architecture}) yet: an "
-                             "expert's rows depend on what the batch routes to it; run without batch_invariant")
         if self.tensor_parallel_size > 1:
             _check_split(model, self.tensor_parallel_size)
 
@@ -584,10 +630,12 @@ def _check_split(model: ModelConfig, tp: int) -> None:
     if kv % tp if kv >= tp else tp % kv:
         problems.append(f"num_key_value_heads={kv} (neither a multiple nor a divisor of {tp})")
     if model.quantization:  # o and down split along K: their scales' groups (if several) with it
-        for name, k in (("o_proj", model.num_heads * model.head_dim), ("down_proj", model.intermediate_size)):
-            groups = k // quantization_group(k, model.quantization)
+        for name, weight, k in (("o_proj", "wo", model.num_heads * model.head_dim),
+                                ("down_proj", "w_down", model.intermediate_size)):
+            held = model.weight_format(weight, k)
+            groups = k // held.group
             if groups > 1 and groups % tp:
-                problems.append(f"{name}'s {groups} {model.quantization} groups of {k // groups} rows")
+                problems.append(f"{name}'s {groups} {held.format} groups of {held.group} rows")
     if problems:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {', '.join(problems)}; "
                          "choose a tensor_parallel_size that divides them")

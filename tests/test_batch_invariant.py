@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from jaxrunner import LLM, ModelConfig, SamplingParams
 from jaxrunner.bench.throughput import random_adapter
 from jaxrunner.lora_request import LoRARequest
+from jaxrunner.models.moe import moe_mlp
 from jaxrunner.runner.programs import SAMPLE
 from pallas_kernels.ragged_paged_attention import decode_config
 
@@ -102,6 +104,21 @@ def test_ngram_speculation_gives_the_bits_of_plain_sampling_in_any_batch(model_d
         assert llm.llm_engine.stats().spec_decoding["num_accepted_tokens"] > 0
 
 
+def test_a_draft_models_drafts_keep_the_bits_of_plain_sampling(model_dir, alone, tmp_path):
+    """A draft model of its own (one layer, other random weights), seeded at temperature 1: its drafts
+    are verified as n-gram drafts are, so the target's tokens and logprobs are plain sampling's,
+    alone and in batches, with drafts accepted and rejected (min(1, p / q) would accept most of
+    them, near-uniform as both models are, and change the tokens)."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG | {"num_hidden_layers": 1}))
+    spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3}
+    with LLM(model_dir, batch_invariant=True, speculative_config=spec, **ENGINE) as llm:
+        for others, seed in ((0, 3), (4, 4)):
+            batch, place = random_batch(TARGET, others, seed)
+            assert run(llm, batch, params(True), place) == alone[0][True]
+        stats = llm.llm_engine.stats().spec_decoding
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+
+
 @pytest.mark.parametrize("seeded", [False, True])
 def test_multi_step_decode_keeps_the_bits_of_single_steps(model_dir, alone, seeded):
     """Decoding 4 steps a call (its rounds in one program), alone and in a batch: the bits of one
@@ -143,14 +160,67 @@ def test_the_pallas_attention_keeps_the_bits_too(model_dir):
             assert run(llm, batch, params(False), place) == want
 
 
-def test_the_mode_tiles_the_rows_and_refuses_what_it_does_not_cover(alone, model_dir):
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py makes 4 CPU devices)")
+def test_split_over_devices_a_request_keeps_its_bits_and_its_sums_run_in_order(tmp_path):
+    """Tensor parallelism (2) in each of two data-parallel replicas: the target's bits alone and among
+    others (on either replica), seeded; the forward pass adds o's and down's partial sums in device
+    order (gathered, where the default mode all-reduces them: only the embedding's lookup is)."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG | {"num_attention_heads": 6, "num_key_value_heads": 2,
+                                                               "head_dim": 96}))
+    with LLM(str(tmp_path), batch_invariant=True, tensor_parallel_size=2, data_parallel_size=2, **ENGINE) as llm:
+        want = run(llm, [TARGET], params(True), 0)
+        for others, seed in ((3, 1), (6, 2)):
+            batch, place = random_batch(TARGET, others, seed)
+            assert run(llm, batch, params(True), place) == want
+        runner = llm.llm_engine.replicas[1].runner
+        text = runner.compile_forward(16).as_text()
+    layers = CONFIG["num_hidden_layers"]
+    assert len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text)) == 1
+    assert len(re.findall(r"= \S+ all-gather(?:-start)?\(", text)) == 2 * layers
+
+
+def test_the_moe_mlp_gives_each_token_its_own_bits():
+    """The MoE MLP on its own, where no bucket pads the batch: a token's output row is the same bits
+    at 1, 2, 7 and 64 rows (the grouped form cuts its products by what the batch routes to each
+    expert, and its bits move between one row and two)."""
+    cfg = ModelConfig("MixtralForCausalLM", 100, 512, 384, 1, 8, 2, 64, num_experts=4, num_experts_per_tok=2)
+    rng = np.random.default_rng(3)
+    router, gate_up, down = (jnp.asarray(rng.standard_normal(s) * 0.05, jnp.float32)
+                             for s in ((512, 4), (4, 512, 768), (4, 384, 512)))
+    x = jnp.asarray(rng.standard_normal((64, 512)), jnp.float32)
+    mlp = jax.jit(lambda x: moe_mlp(x, router, gate_up, down, jax.nn.silu, cfg, batch_invariant=True))
+    want = np.asarray(mlp(x[:1]))[0]
+    for n in (2, 7, 64):
+        np.testing.assert_array_equal(np.asarray(mlp(x[:n]))[0], want)
+    grouped = np.asarray(moe_mlp(x[:7], router, gate_up, down, jax.nn.silu, cfg))
+    np.testing.assert_allclose(np.asarray(mlp(x[:7])), grouped, rtol=1e-5, atol=1e-5 * np.abs(grouped).max())  # one function
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_moe_models_request_gives_the_same_bits_in_any_batch(tmp_path, tp):
+    """A Mixtral-shaped model (4 experts, 2 per token), seeded: the target's bits alone and among
+    others, on one device and with its experts split over two (whose outputs add in device order:
+    the only all-reduce left is the embedding's)."""
+    if len(jax.devices()) < tp:
+        pytest.skip(f"needs {tp} devices")
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG | {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 512, "intermediate_size": 384,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}))
+    with LLM(str(tmp_path), batch_invariant=True, tensor_parallel_size=tp, **ENGINE) as llm:
+        want = run(llm, [TARGET], params(True), 0)
+        for others, seed in ((3, 1), (6, 2)):
+            batch, place = random_batch(TARGET, others, seed)
+            assert run(llm, batch, params(True), place) == want
+        text = llm.llm_engine.runner.compile_forward(16).as_text()
+    assert len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text)) == (1 if tp == 2 else 0)
+
+
+def test_the_mode_tiles_the_rows(alone):
     """Its programs run their row-sized products one tile at a time (a loop in the compiled
-    forward pass and sampler), and what it does not cover is named at start."""
+    forward pass and sampler)."""
     runner = alone[1]
     ctx, flags = runner.ctx, runner.ctx.sampler_variants[0]
     sampler = runner.programs.program(SAMPLE, params=ctx.params, state=ctx.state, last_hidden=ctx.last_hidden(),
                                       samples=ctx.samples(4, flags), flags=flags)
     for text in (runner.compile_forward(16).as_text(), runner.programs.executable(sampler).as_text()):
         assert re.search(r"\bwhile\(", text)
-    with pytest.raises(ValueError, match="batch_invariant does not combine with a draft model or with tensor"):
-        LLM(model_dir, batch_invariant=True, tensor_parallel_size=2, **ENGINE)

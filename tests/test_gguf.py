@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -22,7 +23,7 @@ from safetensors.numpy import load_file
 
 from jaxrunner import LLM, SamplingParams
 from jaxrunner.engine import model_files
-from jaxrunner.checkpoints.gguf_blocks import unpack_int4
+from jaxrunner.checkpoints.gguf_blocks import KEPT, unpack
 from jaxrunner.checkpoints.loader import SavedParams, load_model, open_checkpoint
 from jaxrunner.models.quantization import Quantized, dequantize
 
@@ -69,8 +70,12 @@ def rotary_interleave(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, model: str, qtype: Q = Q.F32, arch: str | None = None, extra: dict | None = None) -> Path:
+def write_gguf(path: Path, model: str, qtype: Q | Callable[[str], Q] = Q.F32, arch: str | None = None,
+               extra: dict | None = None) -> Path:
+    """The model's safetensors as llama.cpp's converter writes them, each matrix quantized to `qtype`
+    (or to `qtype(its llama.cpp name)`)."""
     arch = arch or ARCH[model]
+    type_of = qtype if callable(qtype) else lambda name: qtype
     hf = json.loads((MODELS / model / "config.json").read_text())
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), arch)
@@ -101,9 +106,9 @@ def write_gguf(path: Path, model: str, qtype: Q = Q.F32, arch: str | None = None
     for name, tensor in {**tensors, **(extra or {})}.items():
         if arch == "llama" and name.endswith((".q_proj.weight", ".k_proj.weight")):
             tensor = rotary_interleave(tensor, heads if ".q_proj" in name else kv_heads)
-        tensor = tensor.astype(np.float32)
-        if qtype != Q.F32 and tensor.ndim >= 2:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+        tensor, kind = tensor.astype(np.float32), type_of(gguf_name(name))
+        if kind != Q.F32 and tensor.ndim >= 2:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(tensor, kind), raw_dtype=kind)
         else:
             w.add_tensor(gguf_name(name), tensor)
     w.write_header_to_file()
@@ -252,50 +257,75 @@ def test_the_start_that_converts_takes_the_params_from_memory_once(tmp_path, mon
     assert len(restores) == 2
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
-def test_4bit_blocks_unpack_to_the_floats_gguf_dequantizes(qtype):
-    """Scale * q + offset per run of 32, bitwise gguf.quants.dequantize's floats (Q4_K's blocks are
-    random bytes with finite float16 scales: the package does not quantize to it)."""
+@pytest.mark.parametrize("qtype", sorted(KEPT))
+def test_blocks_unpack_to_the_floats_gguf_dequantizes(qtype):
+    """Scale * q (+ offset) per group, bitwise gguf.quants.dequantize's floats (the K types' blocks are
+    random bytes with finite float16 scales: the package does not quantize to them)."""
     rng = np.random.default_rng(int(qtype))
-    rows, cols = 6, 512
-    if qtype == Q.Q4_K:
-        data = rng.integers(0, 256, (rows, cols // 256 * 144), dtype=np.uint8)
-        data.reshape(rows, -1, 144)[..., :4] = rng.uniform(1e-3, 0.1, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    rows, cols, kept = 6, 512, KEPT[qtype]
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        data = rng.integers(0, 256, (rows, cols // 256 * kept.size), dtype=np.uint8)
+        at = slice(208, 210) if qtype == Q.Q6_K else slice(0, 4)  # the float16 scales' bytes
+        scales = rng.uniform(1e-3, 0.1, (rows, cols // 256, (at.stop - at.start) // 2)).astype(np.float16)
+        data.reshape(rows, -1, kept.size)[..., at] = scales.view(np.uint8)
     else:
         data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
-    values, scales, offsets = unpack_int4(data, qtype)
-    assert values.dtype == np.uint8 and values.max() <= 15 and scales.shape == offsets.shape == (rows, cols // 32)
-    got = values.reshape(rows, -1, 32).astype(np.float32) * scales[..., None] + offsets[..., None]
+    values, scales, offsets = unpack(data, qtype)
+    assert values.dtype == np.int8 and scales.shape == (rows, cols // kept.group) and (offsets is not None) == kept.offsets
+    assert np.abs(values).max() >= 2 ** (kept.bits - 1) - 1 and -2 ** (kept.bits - 1) <= values.min()
+    assert values.max() < (2 ** kept.bits if kept.offsets else 2 ** (kept.bits - 1))
+    got = values.reshape(rows, -1, kept.group).astype(np.float32) * scales[..., None]
+    got = got if offsets is None else got + offsets[..., None]
     np.testing.assert_array_equal(got.reshape(rows, cols), gguf.quants.dequantize(data, qtype))
 
 
-@pytest.mark.parametrize("model, qtype", [("tiny-llama", Q.Q4_0), ("tiny-qwen3-moe", Q.Q4_1)])
-def test_int4_holds_a_gguf_files_4bit_blocks_as_they_are(model, qtype, tmp_path, monkeypatch):
-    """quantization="int4" on a file of 4-bit weights converts on its own: every quantized weight (the
-    q/k rows in Hugging Face's order; an MoE model's attention) is the file's blocks, dequantizing
-    bitwise to the dense conversion's weights, handed over and read back alike; the engine
-    generates the dense model's tokens from them."""
+def mixed_types(name: str) -> Q:
+    """Block types of a Q4_K_M-like file, within what gguf can write: 4-bit q, k, gate and up; 8-bit
+    v; 5-bit o; down 4-bit in layer 0 and 5-bit in layer 1."""
+    kinds = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q4_0,
+             "ffn_up": Q.Q4_0, "ffn_down": Q.Q4_1 if name.startswith("blk.0.") else Q.Q5_0}
+    return next((q for kind, q in kinds.items() if f".{kind}." in name), Q.F32)
+
+
+@pytest.mark.parametrize("model, qtype, quantization, held", [
+    ("tiny-llama", mixed_types, "int4", {"wqkv": ("int8", 32, True), "wo": ("int8", 32, True),
+                                          "w_gate_up": ("int4", 32, True), "w_down": ("int8", 32, True)}),
+    ("tiny-llama", mixed_types, "int8", {"wqkv": ("int8", 32, True), "wo": ("int8", 32, True),
+                                          "w_gate_up": ("int8", 32, False), "w_down": ("int8", 32, True)}),
+    ("tiny-qwen3-moe", Q.Q4_1, "int4", {"wqkv": ("int4", 32, True), "wo": ("int4", 32, True)}),
+])
+def test_int8_and_int4_keep_a_gguf_files_blocks_as_they_are(model, qtype, quantization, held, tmp_path, monkeypatch):
+    """quantization="int8" or "int4" on a GGUF file converts on its own: every quantized weight (the q/k
+    rows in Hugging Face's order; an MoE model's attention) is the file's blocks, each weight in the
+    one form that holds all its layers' blocks (int4 only where all are 4-bit and int4 is asked),
+    dequantizing bitwise to the dense conversion's weights, handed over and read back alike; the
+    engine generates the dense model's tokens from them, on one device and split over two."""
     monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path / "cache"))
     path = str(write_gguf(tmp_path / "m.gguf", model, qtype))
     dense = open_checkpoint(model_files.converted(path)).load()
-    held = model_files.converted(path, quantization="int4")
-    assert held != model_files.converted(path) and open_checkpoint(held).config.quantization == "int4"
-    for params in (open_checkpoint(held).load(), open_checkpoint(held).load()):
-        quantized = 0
+    kept = model_files.converted(path, quantization=quantization)
+    cfg = open_checkpoint(kept).config
+    assert kept != model_files.converted(path) and cfg.quantization == quantization
+    assert {w.weight: (w.format, w.group, w.offsets) for w in cfg.weight_formats} == held
+    dtypes = {"int8": jnp.int8, "int4": jnp.uint4}
+    for params in (open_checkpoint(kept).load(), open_checkpoint(kept).load()):
         for layer, want in zip(params["layers"], dense["layers"]):
-            for name, w in layer.items():
-                if isinstance(w, Quantized):
-                    quantized += 1
-                    assert w.values.dtype == jnp.uint4 and w.scales.shape[-2] == w.values.shape[-1] // 32
-                    np.testing.assert_array_equal(dequantize(w, jnp.float32), want[name])
-        assert quantized >= 2 * len(params["layers"])
+            assert {name for name, w in layer.items() if isinstance(w, Quantized)} == set(held)
+            for name, (fmt, group, offsets) in held.items():
+                w = layer[name]
+                assert w.values.dtype == dtypes[fmt] and w.scales.shape[-2] == w.values.shape[-1] // group
+                assert bool(w.offsets.size) == offsets
+                np.testing.assert_array_equal(dequantize(w, jnp.float32), want[name])
+    if model != "tiny-llama" or quantization != "int4":
+        return
     tokens = []
-    for quantization in (None, "int4"):
-        with LLM(path, quantization=quantization, skip_tokenizer_init=True, dtype="float32", max_model_len=64) as llm:
+    for quantization, tp in ((None, 1), ("int4", 1), ("int4", 2)):  # split over 2 devices: the scales and offsets too
+        with LLM(path, quantization=quantization, tensor_parallel_size=tp, skip_tokenizer_init=True, dtype="float32",
+                 max_model_len=64) as llm:
             outs = llm.generate([{"prompt_token_ids": [5, 9, 13, 2, 7]}], SamplingParams(temperature=0.0, max_tokens=12),
                                 use_tqdm=False)
             tokens.append(outs[0].outputs[0].token_ids)
-    assert tokens[0] == tokens[1]
+    assert tokens[0] == tokens[1] == tokens[2]
 
 
 def test_an_unwritable_cache_is_named(tmp_path, monkeypatch):

@@ -1,53 +1,83 @@
-"""llama.cpp's 4-bit blocks as they are: 4-bit values with a scale and an offset per 32 weights.
+"""llama.cpp's quantized blocks as they are: small integers with a scale, and for some types an
+offset, per group of 16 or 32 weights.
 
-Every 4-bit type holds a row in runs of 32 weights w = scale * q + offset, q in 0..15, which is the
-"int4" format of `models.quantization`; so a GGUF file's Q4_0, Q4_1 and Q4_K weights load into it
-without being widened on the way, and dequantize to exactly the floats `gguf.quants.dequantize`
-gives (each product and sum is the one it computes). The byte layouts (ggml-common.h):
+That is how `models.quantization` holds int4 (uint4 with offsets, groups of 32) and int8 (groups
+of any size, offsets or not), so a GGUF file's quantized weights load into those formats without
+being widened on the way, and dequantize to exactly the floats `gguf.quants.dequantize` gives.
+The types kept, by their bytes per block (ggml-common.h):
 
-- Q4_0, 18 bytes per 32 weights: a float16 scale d, then 16 bytes; byte j holds q_j in its low
-  nibble and q_(j+16) in its high one; w = d (q - 8).
-- Q4_1, 20 bytes per 32: float16 d and m, then the 16 bytes as Q4_0's; w = d q + m.
-- Q4_K, 144 bytes per 256: float16 d and dmin, 12 bytes of eight 6-bit scales s_i and minimums
-  m_i, then 128 bytes; each run of 32 bytes holds two sub-blocks of 32, the first in the low
-  nibbles; sub-block i has w = (d s_i) q - (dmin m_i).
+- Q4_0 (18 bytes per 32 weights), Q5_0 (22) and Q8_0 (34): a float16 scale d first; w = d q,
+  q in -8..7, -16..15 and -128..127.
+- Q4_1 (20 per 32) and Q5_1 (24): float16 d and m first; w = d q + m, q in 0..15 and 0..31.
+- Q4_K (144 per 256) and Q5_K (176): float16 d and dmin, then 12 bytes of eight 6-bit scales s_i
+  and minimums m_i; sub-block i of 32 has w = (d s_i) q - (dmin m_i), q in 0..15 and 0..31.
+- Q6_K (210 per 256): sixteen int8 scales s_i at byte 192, then float16 d; sub-block i of 16 has
+  w = (d s_i) q, q in -32..31.
+
+The scales and offsets are read from the blocks; the integers are gguf's own floats divided back
+by them (each float is the product of a scale and a small integer, plus the offset, rounded once:
+the division lands within far less than half a step of the integer). Their products and sums are
+then the ones gguf computes, bit for bit (tests check it on every type).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-GROUP = 32
+
+@dataclass(frozen=True)
+class Kept:
+    """How a block type holds its weights."""
+
+    bits: int  # of each integer
+    group: int  # weights per scale
+    offsets: bool  # w = scale * q + offset, not scale * q
+    size: int  # bytes per block
 
 
-def unpack_int4(data: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of 4-bit blocks (uint8 [rows, bytes]) as (q uint8 [rows, cols], scale and offset
-    float32 [rows, cols / 32])."""
-    rows = data.shape[0]
-    if qtype == Q.Q4_K:
-        blocks = data.reshape(rows, -1, 144)
-        d, dmin = (blocks[..., i : i + 2].copy().view(np.float16)[..., 0].astype(np.float32) for i in (0, 2))
+KEPT = {Q.Q4_0: Kept(4, 32, False, 18), Q.Q4_1: Kept(4, 32, True, 20), Q.Q4_K: Kept(4, 32, True, 144),
+        Q.Q5_0: Kept(5, 32, False, 22), Q.Q5_1: Kept(5, 32, True, 24), Q.Q5_K: Kept(5, 32, True, 176),
+        Q.Q6_K: Kept(6, 16, False, 210), Q.Q8_0: Kept(8, 32, False, 34)}
+
+
+def unpack(data: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Rows of blocks of a type in `KEPT` (uint8 [rows, bytes]) as (q int8 [rows, cols], scale
+    float32 [rows, cols / group], offset like scale or None)."""
+    from gguf.quants import dequantize
+
+    rows, kept = data.shape[0], KEPT[qtype]
+    scale, offset = _scales(data.reshape(rows, -1, kept.size), qtype)
+    floats = dequantize(data, qtype).reshape(rows, scale.shape[1], kept.group)
+    shifted = floats if offset is None else floats - offset[..., None]
+    safe = np.where(scale == 0, 1, scale)[..., None]  # a zero scale holds only its offset: any q
+    q = np.where(scale[..., None] == 0, 0, np.rint(shifted / safe))
+    return q.astype(np.int8).reshape(rows, -1), scale, offset
+
+
+def _scales(blocks: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray | None]:
+    """Each group's scale and offset (None for a symmetric type), float32 [rows, groups]."""
+    rows = blocks.shape[0]
+    if qtype == Q.Q6_K:
+        d = _float16(blocks[..., 208:210])
+        return (d[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)).reshape(rows, -1), None
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        d, dmin = _float16(blocks[..., 0:2]), _float16(blocks[..., 2:4])
         s, m = _scales_and_mins(blocks[..., 4:16])
-        nibbles = _nibbles(blocks[..., 16:].reshape(rows, -1, 4, 32))  # [rows, superblocks, 4, 2, 32]
-        scale, offset = d[..., None] * s, -(dmin[..., None] * m)
-    else:
-        blocks = data.reshape(rows, -1, 18 if qtype == Q.Q4_0 else 20)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        nibbles = _nibbles(blocks[..., -16:][..., None, :])  # [rows, blocks, 1, 2, 16]
-        scale = d
-        offset = -8 * d if qtype == Q.Q4_0 else blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return nibbles.reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1)
+        return (d[..., None] * s).reshape(rows, -1), (-(dmin[..., None] * m)).reshape(rows, -1)
+    d = _float16(blocks[..., 0:2])
+    return d, _float16(blocks[..., 2:4]) if KEPT[qtype].offsets else None
 
 
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """[..., n] bytes as [..., 2, n]: the low nibbles, then the high ones."""
-    return np.stack([packed & 0x0F, packed >> 4], axis=-2)
+def _float16(pair: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes as the float16 they hold, widened to float32 [...]."""
+    return pair.copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's 12 bytes [..., 12] as eight 6-bit scales and eight 6-bit minimums, float32 [..., 8]:
+    """The K types' 12 bytes [..., 12] as eight 6-bit scales and eight 6-bit minimums, float32 [..., 8]:
     the first four of each in bytes 0-3 and 4-7 (low 6 bits), the last four from bytes 8-11 (low
     nibble: scale, high nibble: minimum) with their top 2 bits in the top bits of bytes 0-3 and 4-7."""
     a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]

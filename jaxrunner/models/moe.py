@@ -5,6 +5,7 @@ the experts run as two grouped matmuls over the token copies sorted by expert
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import ModelConfig
+from jaxrunner.models.row_tiles import row_tiled, summed_in_order
 from jaxrunner.models.tensors import MODEL_AXIS
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (lhs [M, K], rhs [E, K, N], sizes [E])
@@ -28,12 +30,13 @@ def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Ar
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, act, cfg: ModelConfig,
-            valid: jax.Array | None = None, grouped_matmul: GroupedMatmul = jax.lax.ragged_dot) -> jax.Array:
+            valid: jax.Array | None = None, grouped_matmul: GroupedMatmul = jax.lax.ragged_dot,
+            batch_invariant: bool = False) -> jax.Array:
     """[T, H] for x [T, H]: router [H, E], gate_up [E, H, 2I] (gate | up), down [E, I, H]. Tokens
     not `valid` (bool [T]: a bucket's padding) go to no expert: their copies sort past the last
     group, where the grouped matmul computes nothing (their rows come out zero). `grouped_matmul`:
     `ragged_dot`'s function (the runner's choice: XLA's, or the Pallas kernel that reads only the
-    experts in use).
+    experts in use). `batch_invariant`: each token's bits its own (`_experts_per_copy`).
 
     On a mesh that splits MODEL_AXIS the experts are split by expert (expert parallelism, the
     gather-compute-reduce form): every device routes all the tokens (x is whole on each after the
@@ -41,22 +44,23 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
     the devices' outputs, as the dense MLP's down projection ends. An all-to-all of the copies
     would move fewer bytes, but at decode's few tokens a step is bound by reading the experts, and
     this form keeps one collective per layer with no capacity to size."""
+    experts = _experts_per_copy if batch_invariant else functools.partial(_experts, grouped_matmul=grouped_matmul)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get(MODEL_AXIS, 1) == 1:
-        return _experts(x, router, gate_up, down, act, cfg, valid, grouped_matmul, split=False)
+        return experts(x, router, gate_up, down, act, cfg, valid, split=False)
     valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
     by_expert = P(MODEL_AXIS)
 
     def local(x, router, gate_up, down, valid):
-        out = _experts(x, router, gate_up, down, act, cfg, valid, grouped_matmul, split=True)
-        return jax.lax.psum(out, MODEL_AXIS)
+        out = experts(x, router, gate_up, down, act, cfg, valid, split=True)
+        return summed_in_order(out, MODEL_AXIS) if batch_invariant else jax.lax.psum(out, MODEL_AXIS)
 
     return jax.shard_map(local, in_specs=(P(), P(), by_expert, by_expert, P()), out_specs=P(),
                          check_vma=False)(x, router, gate_up, down, valid)
 
 
 def _experts(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, act, cfg: ModelConfig,
-             valid: jax.Array | None, grouped_matmul: GroupedMatmul, split: bool) -> jax.Array:
+             valid: jax.Array | None, split: bool, grouped_matmul: GroupedMatmul) -> jax.Array:
     """The MLP over the experts held here: all of them, or (`split`) this device's slice of
     MODEL_AXIS, the copies bound elsewhere sorted past its last group like padding's."""
     k, held = cfg.num_experts_per_tok, gate_up.shape[0]
@@ -75,3 +79,27 @@ def _experts(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Arra
     out = grouped_matmul(act(gate) * up, down, sizes)
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)  # the weights in the model's dtype, as HF
     return jnp.zeros_like(x).at[tokens].add(out)
+
+
+def _experts_per_copy(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, act, cfg: ModelConfig,
+                      valid: jax.Array | None, split: bool) -> jax.Array:
+    """`_experts` with each token's bits its own, whatever the batch (`RunnerConfig.batch_invariant`):
+    the router's product a tile of rows at a time, every token copy through its expert's weights
+    alone (gathered per copy, a tile of copies at a time: a grouped matmul cuts its tiles by what
+    the batch routes to each expert), and a token's k outputs added in their order (a scatter-add's
+    order is the device's). It reads an expert's weights once per copy, not once per step."""
+    t, k, held = x.shape[0], cfg.num_experts_per_tok, gate_up.shape[0]
+    weights, experts = route(row_tiled(jnp.matmul, x, router), k, cfg.norm_topk_prob)
+    keep = jnp.ones((t, k), bool) if valid is None else jnp.broadcast_to(valid[:, None], (t, k))
+    if split:
+        experts = experts - jax.lax.axis_index(MODEL_AXIS) * held
+        keep = keep & (experts >= 0) & (experts < held)
+
+    def copies(rows, gate_up, down):
+        x, expert = rows
+        gate, up = jnp.split(jnp.einsum("rh,rhn->rn", x, gate_up[expert]), 2, axis=-1)
+        return jnp.einsum("ri,rih->rh", act(gate) * up, down[expert])
+
+    out = row_tiled(copies, (jnp.repeat(x, k, axis=0), jnp.clip(experts, 0, held - 1).reshape(-1)), gate_up, down)
+    out = out.reshape(t, k, -1) * jnp.where(keep, weights, 0.0)[..., None].astype(out.dtype)
+    return functools.reduce(jnp.add, [out[:, j] for j in range(k)])

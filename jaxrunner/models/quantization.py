@@ -9,6 +9,9 @@ Formats (vLLM's `quantization=` names):
   (`checkpoints.gguf_blocks`);
   groups of 64 lost a third in perplexity on SmolLM2's Q4_1 weights, where 32 lost nothing
   (docs/benchmarks.md).
+A weight may be held in other groups, and int8 with offsets (`config.WeightFormat`): how a GGUF
+file's 5- to 8-bit blocks hold their weights (int8 in groups of 32 or 16, with or without a
+minimum), which its conversion keeps as they are.
 - "fp8": W8A8 for Hopper's fp8 tensor cores. e4m3 weights with one scale per output column;
   activations are scaled per token as the matmul runs (their absolute maximum over K maps to e4m3's
   largest value), the dot runs in fp8 accumulating in float32, and both scales multiply its result.
@@ -43,7 +46,7 @@ FP8_MAX = quantized_matmul.FP8_MAX  # e4m3's largest value
 class Quantized:
     """A quantized weight W [..., K, N]: `values` [..., N, K] (W transposed) in the format's dtype,
     `scales` float32 [..., G, N] (G = K / group size; 1 for fp8), `offsets` float32 like `scales`
-    for int4 ([0] for the symmetric formats)."""
+    where the weight is held with them (int4's; [0] for a symmetric form)."""
 
     values: jax.Array
     scales: jax.Array
@@ -60,50 +63,73 @@ def storage_dtype(fmt: str) -> jnp.dtype:
 @dataclass(frozen=True)
 class QuantizedStorage:
     """How a quantized weight is held (`models.tensors.Tensor.storage`): the counterpart of `Dense`
-    with the same methods: the arrays it holds, their PartitionSpecs, and how it quantizes."""
+    with the same methods: the arrays it holds, their PartitionSpecs, and how it quantizes. Its
+    fields are a `config.WeightFormat`'s."""
 
     format: str
+    group: int  # rows of K that share a scale (and an offset)
+    offsets: bool
 
     def struct(self, shape: tuple[int, ...], dtype: str,
                sharding: jax.sharding.Sharding | None = None) -> Quantized:
         *lead, k, n = shape
-        scales = (*lead, k // quantization_group(k, self.format), n)
-        offsets = scales if self.format == "int4" else (0,)
+        scales = (*lead, k // self.group, n)
+        offsets = scales if self.offsets else (0,)
         return Quantized(jax.ShapeDtypeStruct((*lead, n, k), storage_dtype(self.format), sharding=sharding),
                          jax.ShapeDtypeStruct(scales, jnp.float32, sharding=sharding),
-                         jax.ShapeDtypeStruct(offsets, jnp.float32, sharding=sharding if offsets != (0,) else None))
+                         jax.ShapeDtypeStruct(offsets, jnp.float32, sharding=sharding if self.offsets else None))
 
     def store(self, values: jax.Array | np.ndarray, dtype: str) -> Quantized:
         """`values` [..., K, N] quantized (from float32, so a bf16 checkpoint loses nothing more)."""
-        return quantize(jnp.asarray(values, jnp.float32), self.format)
+        return quantize(jnp.asarray(values, jnp.float32), self.format, self.group, self.offsets)
 
     def spec(self, spec: P, shape: tuple[int, ...]) -> Quantized:
         """The arrays split like the weight (the values' last two axes swapped), the scales' groups
         with K; one group (fp8's, or int8's on a small K) cannot split, so every shard of a weight
         split along K holds it whole."""
         spec = P(*spec, *(None,) * (len(shape) - len(spec)))
-        one_group = quantization_group(shape[-2], self.format) == shape[-2]
-        scales = P(*spec[:-2], None, spec[-1]) if one_group else spec
-        return Quantized(P(*spec[:-2], spec[-1], spec[-2]), scales, scales if self.format == "int4" else P())
+        scales = P(*spec[:-2], None, spec[-1]) if self.group == shape[-2] else spec
+        return Quantized(P(*spec[:-2], spec[-1], spec[-2]), scales, scales if self.offsets else P())
 
 
-def quantize(w: jax.Array, fmt: str) -> Quantized:
-    """Float `w` [..., K, N] in groups of `quantization_group(K)` rows: symmetric (fp8, int8), or from each
-    group's minimum in 15 steps to its maximum (int4)."""
+def quantize(w: jax.Array, fmt: str, group: int = 0, offsets: bool | None = None) -> Quantized:
+    """Float `w` [..., K, N] in groups of `group` rows (by default `quantization_group(K)`):
+    symmetric (fp8; int8 by default), or with `offsets` (int4 always) from each group's minimum in
+    equal steps to its maximum."""
     *lead, k, n = w.shape
-    g = quantization_group(k, fmt)
+    g = group or quantization_group(k, fmt)
+    asymmetric = fmt == "int4" if offsets is None else offsets
     grouped = w.reshape(*lead, k // g, g, n)
-    if fmt == "int4":
+    lowest, highest = {"int4": (0, 15), "int8": (-128, 127), "fp8": (-FP8_MAX, FP8_MAX)}[fmt]
+    if asymmetric:
         low, high = jnp.min(grouped, axis=-2), jnp.max(grouped, axis=-2)
-        offsets, steps = low, (high - low) / 15
+        steps = (high - low) / (highest - lowest)
     else:
-        offsets, steps = jnp.zeros((0,)), jnp.max(jnp.abs(grouped), axis=-2) / (FP8_MAX if fmt == "fp8" else 127.0)
+        steps = jnp.max(jnp.abs(grouped), axis=-2) / (FP8_MAX if fmt == "fp8" else 127.0)
     scales = jnp.where(steps > 0, steps, 1.0)  # a constant group: any scale holds it
-    scaled = (grouped - (offsets[..., None, :] if fmt == "int4" else 0.0)) / scales[..., None, :]
+    shifts = low - lowest * scales if asymmetric else jnp.zeros((0,))
+    scaled = (grouped - (shifts[..., None, :] if asymmetric else 0.0)) / scales[..., None, :]
     if fmt != "fp8":
-        scaled = jnp.round(scaled)
+        scaled = jnp.clip(jnp.round(scaled), lowest, highest)
     values = scaled.astype(storage_dtype(fmt)).reshape(w.shape)
-    return Quantized(jnp.swapaxes(values, -1, -2), scales.astype(jnp.float32), offsets.astype(jnp.float32))
+    return Quantized(jnp.swapaxes(values, -1, -2), scales.astype(jnp.float32), shifts.astype(jnp.float32))
+
+
+def widened(w: Quantized, storage: QuantizedStorage) -> Quantized:
+    """`w` held exactly in `storage`, whose values hold w's and whose group divides w's (a GGUF
+    block's weight joining wider ones: `checkpoints.loader`): the values widened, the scales (and
+    offsets) repeated for the finer groups, offsets of zero added, or for int4, symmetric values
+    (-8..7) moved to 0..15 by an offset of -8 steps (exact for scales of float16's precision, as a
+    GGUF file's: every product and sum then as exact as before)."""
+    values, scales, offsets = (jnp.asarray(a) for a in (w.values, w.scales, w.offsets))
+    if storage.offsets and not offsets.size:
+        if storage.format == "int4":
+            values, offsets = values.astype(jnp.int8) + 8, -8 * scales
+        else:
+            offsets = jnp.zeros_like(scales)
+    repeat = values.shape[-1] // scales.shape[-2] // storage.group
+    scales, offsets = (jnp.repeat(a, repeat, axis=-2) if a.size else a for a in (scales, offsets))
+    return Quantized(values.astype(storage_dtype(storage.format)), scales, offsets)
 
 
 def dequantize(w: Quantized, dtype) -> jax.Array:
@@ -142,7 +168,7 @@ def matmul(x: jax.Array, w: jax.Array | Quantized, *, num_sms: int = 0) -> jax.A
     weight is split over devices (XLA's partitioner cannot split a kernel)."""
     if not isinstance(w, Quantized):
         return x @ w
-    if num_sms and _unsplit() and quantized_matmul.supported(x.shape[0], w.values, w.scales):
+    if num_sms and _unsplit() and not w.offsets.size and quantized_matmul.supported(x.shape[0], w.values, w.scales):
         return quantized_matmul.quantized_matmul(x, w.values, w.scales, num_sms=num_sms)
     # Widened only once its input exists: else XLA widens every layer's weight up front, all of
     # them live at once (a step's temporaries grew by the model's size in float32). fp8 ties the

@@ -4,8 +4,8 @@ A `Weight` is a kind of weight, declared once below: its key in the params pytre
 parallelism splits, how random init fills it, the checkpoint tensors it is read from (under Hugging
 Face's names and llama.cpp's, concatenated along our last axis, transposed or not) and how it is
 stored. `layer_tensors` and `top_tensors` are the one place that decides, from a ModelConfig, which
-weights a model has, their shapes and how each is held (`Tensor`: dense, or in the model's
-`quantization` format). Everything else is derived from them: the params'
+weights a model has, their shapes and how each is held (`Tensor`: dense, or as the model's
+`quantization` format holds it: `ModelConfig.weight_format`). Everything else is derived from them: the params'
 shapes, PartitionSpecs, ShapeDtypeStructs and random init (`llama.param_shapes` and its siblings),
 the checkpoint readers' names (`checkpoints.loader`, `checkpoints.gguf_file`) and the projections
 LoRA adapts (`lora.slots.projection_parts`, `lora.adapters.MODULES`).
@@ -163,9 +163,13 @@ def layer_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
     if cfg.gemma:
         layer += [Tensor(POST_ATTN_NORM, (h,)), Tensor(POST_MLP_NORM, (h,))]
     if cfg.quantization:
-        held = QuantizedStorage(cfg.quantization)
-        layer = [dataclasses.replace(t, storage=held) if t.weight in QUANTIZED else t for t in layer]
+        layer = [dataclasses.replace(t, storage=_quantized(cfg, t)) if t.weight in QUANTIZED else t for t in layer]
     return {t.name: t for t in layer}
+
+
+def _quantized(cfg: ModelConfig, tensor: Tensor) -> QuantizedStorage:
+    held = cfg.weight_format(tensor.name, tensor.shape[-2])
+    return QuantizedStorage(held.format, held.group, held.offsets)
 
 
 def top_tensors(cfg: ModelConfig) -> dict[str, Tensor]:

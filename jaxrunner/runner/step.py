@@ -179,7 +179,7 @@ def backbone(
     mask = slot_mask(inp.lora_slots, max_loras, params["embed"].dtype) if lora else None
     with jax.default_matmul_precision(matmul_precision(params)):
         return forward(params, model, ids, inp.positions, kv, attend, lora, mask, inp.token_rows < num_rows,
-                       moe_matmul(kernels, model), projection_matmul(kernels))
+                       moe_matmul(kernels, model), projection_matmul(kernels), kernels.batch_invariant)
 
 
 def forward_step(

@@ -52,7 +52,10 @@ def spec_sample_step(
     processed = per_row(lambda r: process_logits(r[0], r[1], flags, r[2], kernels), (logits, md, history), tiled)
     drafts = jnp.take_along_axis(state.token_ids[slots], jnp.clip(positions[:, :k], 0, state.token_ids.shape[1] - 1), axis=1)
     num_drafts = jnp.minimum(samples.num_drafts, k)
-    tokens, num_kept = verify_drafts(processed, md, drafts, num_drafts, state.draft_probs[slots] if draft_model else None)
+    # Batch-invariant, a draft model's drafts are verified as point masses (their q left out): the
+    # tokens are then plain sampling's, whatever was drafted (`rejection`), at a lower acceptance.
+    draft_probs = state.draft_probs[slots] if draft_model and not tiled else None
+    tokens, num_kept = verify_drafts(processed, md, drafts, num_drafts, draft_probs)
 
     kept = jnp.arange(k1)[None, :] < num_kept[:, None]
     committing = samples.commit_rows < num_rows
