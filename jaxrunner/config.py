@@ -66,6 +66,12 @@ class WeightFormat:
                              "(always for int4, never for fp8)")
 
 
+def default_weight_format(weight: str, fmt: str, k: int) -> WeightFormat:
+    """How format `fmt` holds a weight of K rows quantized from its floats: in `quantization_group`s,
+    with offsets for int4."""
+    return WeightFormat(weight, fmt, quantization_group(k, fmt), fmt == "int4")
+
+
 def quantization_config(fmt: str, weights: tuple[WeightFormat, ...] = ()) -> dict:
     """The `quantization_config` of a checkpoint jaxrunner writes in its own formats, which
     `checkpoint_quantization` and `checkpoint_weight_formats` read back."""
@@ -194,7 +200,7 @@ class ModelConfig:
         for held in self.weight_formats:
             if held.weight == weight:
                 return held
-        return WeightFormat(weight, self.quantization, quantization_group(k, self.quantization), self.quantization == "int4")
+        return default_weight_format(weight, self.quantization, k)
 
     @property
     def gemma(self) -> bool:

@@ -10,7 +10,9 @@ multiplies its tile by its group's column block: each used group's weights are r
 an empty group's never. The tiles are planned on the device (a tile count that depends only on
 the shapes: ceil(M / block_m) + E covers every split); unused tiles return at once. `block_m`
 grows with the rows per group (16 for a decode's few copies per expert, up to 128 for a prefill,
-whose tiles would otherwise re-read each expert's weights many times).
+whose tiles would otherwise re-read each expert's weights many times), or is fixed by the caller:
+then a row's products run in tiles of one shape whatever the batch routes beside it, which batch
+invariance needs (`grouped_matmul_in_tiles` computes the same tiles through XLA).
 
 Triton wants power-of-two blocks and dots of K >= 16: K and N must be multiples of 16 (`supported`).
 """
@@ -50,14 +52,16 @@ def plan_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array
     return jnp.stack([jnp.where(group < num_groups, group, -1), first, row_start[g] + sizes[g]], axis=1)
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """[M, N] in lhs's dtype for lhs [M, K], rhs [E, K, N], group_sizes [E] (as `ragged_dot`)."""
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret: bool = False,
+                   block_m: int = 0) -> jax.Array:
+    """[M, N] in lhs's dtype for lhs [M, K], rhs [E, K, N], group_sizes [E] (as `ragged_dot`), in
+    tiles of `block_m` rows (0: `block_rows`)."""
     num_rows, k = lhs.shape
     num_groups, k_rhs, n = rhs.shape
     if k_rhs != k or not supported(k, n):
         raise ValueError(f"grouped_matmul cannot run lhs {lhs.shape} by rhs {rhs.shape}: it needs K and N in "
                          "multiples of 16")
-    block_m = block_rows(num_rows, num_groups)
+    block_m = block_m or block_rows(num_rows, num_groups)
     plan = plan_tiles(group_sizes, num_rows, block_m)
     block_n, block_k = math.gcd(n, 128), math.gcd(k, 64)
     out = pl.pallas_call(
@@ -70,6 +74,26 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
     )(plan, lhs, rhs)
     total = jnp.sum(group_sizes)
     return jnp.where((jnp.arange(num_rows) < total)[:, None], out, jnp.zeros((), out.dtype))
+
+
+def grouped_matmul_in_tiles(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_m: int) -> jax.Array:
+    """`grouped_matmul`'s tiles of `block_m` rows through XLA, one tile at a time (as many as the
+    groups fill): every row's product has one shape whatever the batch, where `ragged_dot`'s depend
+    on the rows beside it."""
+    num_rows = lhs.shape[0]
+    plan = plan_tiles(group_sizes, num_rows, block_m)
+    padded = jnp.pad(lhs, ((0, block_m), (0, 0)))
+
+    def tile(i: jax.Array, out: jax.Array) -> jax.Array:
+        group, first, end = plan[i, 0], plan[i, 1], plan[i, 2]
+        product = jax.lax.dynamic_slice_in_dim(padded, first, block_m) @ rhs[group]
+        keep = (first + jnp.arange(block_m) < end)[:, None]
+        held = jax.lax.dynamic_slice_in_dim(out, first, block_m)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, product.astype(out.dtype), held), first, 0)
+
+    used = jnp.sum(cdiv(group_sizes.astype(jnp.int32), block_m))
+    out = jax.lax.fori_loop(0, used, tile, jnp.zeros((num_rows + block_m, rhs.shape[2]), lhs.dtype))
+    return out[:num_rows]
 
 
 def _kernel(plan_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int, block_k: int):

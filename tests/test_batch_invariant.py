@@ -19,10 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxrunner import LLM, ModelConfig, SamplingParams
+from jaxrunner.config import Kernels
 from jaxrunner.bench.throughput import random_adapter
 from jaxrunner.lora_request import LoRARequest
 from jaxrunner.models.moe import moe_mlp
 from jaxrunner.runner.programs import SAMPLE
+from jaxrunner.runner.step import moe_matmul
 from pallas_kernels.ragged_paged_attention import decode_config
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 576,
@@ -161,13 +163,16 @@ def test_the_pallas_attention_keeps_the_bits_too(model_dir):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py makes 4 CPU devices)")
-def test_split_over_devices_a_request_keeps_its_bits_and_its_sums_run_in_order(tmp_path):
-    """Tensor parallelism (2) in each of two data-parallel replicas: the target's bits alone and among
-    others (on either replica), seeded; the forward pass adds o's and down's partial sums in device
-    order (gathered, where the default mode all-reduces them: only the embedding's lookup is)."""
+@pytest.mark.parametrize("quantization", [None, "fp8", "int4"])
+def test_split_over_devices_a_request_keeps_its_bits_and_its_sums_run_in_order(tmp_path, quantization):
+    """Tensor parallelism (2) in each of two data-parallel replicas, dense and with quantized weights
+    (fp8's without offsets, int4's with them): the target's bits alone and among others (on either
+    replica), seeded; the forward pass adds o's and down's partial sums in device order (gathered,
+    where the default mode all-reduces them: only the embedding's lookup is)."""
     (tmp_path / "config.json").write_text(json.dumps(CONFIG | {"num_attention_heads": 6, "num_key_value_heads": 2,
                                                                "head_dim": 96}))
-    with LLM(str(tmp_path), batch_invariant=True, tensor_parallel_size=2, data_parallel_size=2, **ENGINE) as llm:
+    with LLM(str(tmp_path), batch_invariant=True, tensor_parallel_size=2, data_parallel_size=2,
+             quantization=quantization, **ENGINE) as llm:
         want = run(llm, [TARGET], params(True), 0)
         for others, seed in ((3, 1), (6, 2)):
             batch, place = random_batch(TARGET, others, seed)
@@ -180,20 +185,28 @@ def test_split_over_devices_a_request_keeps_its_bits_and_its_sums_run_in_order(t
 
 
 def test_the_moe_mlp_gives_each_token_its_own_bits():
-    """The MoE MLP on its own, where no bucket pads the batch: a token's output row is the same bits
-    at 1, 2, 7 and 64 rows (the grouped form cuts its products by what the batch routes to each
-    expert, and its bits move between one row and two)."""
+    """The MoE MLP on its own, as the runner runs it batch-invariant (its grouped matmul in fixed
+    tiles), where no bucket pads the batch: each token's output row is the same bits alone and at
+    any place in batches of 2, 7 and 64 rows, some of them padding (the default form cuts its
+    products by what the batch routes to each expert, and its bits move between one row and two)."""
     cfg = ModelConfig("MixtralForCausalLM", 100, 512, 384, 1, 8, 2, 64, num_experts=4, num_experts_per_tok=2)
     rng = np.random.default_rng(3)
     router, gate_up, down = (jnp.asarray(rng.standard_normal(s) * 0.05, jnp.float32)
                              for s in ((512, 4), (4, 512, 768), (4, 384, 512)))
     x = jnp.asarray(rng.standard_normal((64, 512)), jnp.float32)
-    mlp = jax.jit(lambda x: moe_mlp(x, router, gate_up, down, jax.nn.silu, cfg, batch_invariant=True))
-    want = np.asarray(mlp(x[:1]))[0]
-    for n in (2, 7, 64):
-        np.testing.assert_array_equal(np.asarray(mlp(x[:n]))[0], want)
-    grouped = np.asarray(moe_mlp(x[:7], router, gate_up, down, jax.nn.silu, cfg))
-    np.testing.assert_allclose(np.asarray(mlp(x[:7])), grouped, rtol=1e-5, atol=1e-5 * np.abs(grouped).max())  # one function
+    grouped = moe_matmul(Kernels.choose("reference", batch_invariant=True), cfg)
+
+    @jax.jit
+    def mlp(x: jax.Array, valid: jax.Array) -> jax.Array:
+        return moe_mlp(x, router, gate_up, down, jax.nn.silu, cfg, valid, grouped, batch_invariant=True)
+
+    alone = np.stack([np.asarray(mlp(x[i : i + 1], jnp.ones(1, bool)))[0] for i in range(7)])
+    for n, real in ((2, 2), (7, 5), (64, 7)):
+        out = np.asarray(mlp(x[:n], jnp.arange(n) < real))
+        np.testing.assert_array_equal(out[:real], alone[:real])
+        assert not out[real:].any()  # padding goes to no expert
+    default = np.asarray(moe_mlp(x[:7], router, gate_up, down, jax.nn.silu, cfg))
+    np.testing.assert_allclose(alone, default, rtol=1e-5, atol=1e-5 * np.abs(default).max())  # one function
 
 
 @pytest.mark.parametrize("tp", [1, 2])

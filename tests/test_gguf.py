@@ -279,6 +279,16 @@ def test_blocks_unpack_to_the_floats_gguf_dequantizes(qtype):
     np.testing.assert_array_equal(got.reshape(rows, cols), gguf.quants.dequantize(data, qtype))
 
 
+def test_blocks_that_do_not_come_back_exactly_are_given_up():
+    """A Q4_1 block whose minimum dwarfs its scale: its floats round away the scale's steps, so the
+    integers cannot give them back, and `unpack` says so (the loader then reads the tensor's floats)."""
+    data = np.random.default_rng(0).integers(0, 256, (1, 20), dtype=np.uint8)
+    data[0, :4] = np.array([3e-7, 100.0], np.float16).view(np.uint8)
+    assert unpack(data, Q.Q4_1) is None
+    data[0, :4] = np.array([1e-2, 0.5], np.float16).view(np.uint8)  # an ordinary block
+    assert unpack(data, Q.Q4_1) is not None
+
+
 def mixed_types(name: str) -> Q:
     """Block types of a Q4_K_M-like file, within what gguf can write: 4-bit q, k, gate and up; 8-bit
     v; 5-bit o; down 4-bit in layer 0 and 5-bit in layer 1."""

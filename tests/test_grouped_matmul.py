@@ -1,6 +1,6 @@
 """The Pallas grouped matmul (`pallas_kernels.grouped_matmul`) against `jax.lax.ragged_dot` on fresh
 random inputs, interpreted on the CPU (empty groups, rows past every group, decode- and prefill-sized
-tiles), and its Triton lowering for an H200 at the Qwen3-30B-A3B expert shapes."""
+tiles, fixed tiles and their XLA form), and its Triton lowering for an H200 at the Qwen3-30B-A3B expert shapes."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import pytest
 
 from jaxrunner.config import Kernels
 from jaxrunner.checkpoints.dummy import shape
+from jaxrunner.models.row_tiles import GROUPED_TILE_ROWS
 from jaxrunner.platform import H200
 from jaxrunner.runner.step import moe_matmul
-from pallas_kernels.grouped_matmul import block_rows, grouped_matmul
+from pallas_kernels.grouped_matmul import block_rows, grouped_matmul, grouped_matmul_in_tiles
 
 
 @pytest.mark.parametrize("rows, k, n, groups, past", [(37, 32, 48, 6, 3), (16, 64, 64, 8, 15), (700, 16, 32, 4, 20)])
@@ -24,16 +25,25 @@ def test_equals_ragged_dot(rows, k, n, groups, past):
     lhs = rng.standard_normal((rows, k)).astype(np.float32)
     rhs = rng.standard_normal((groups, k, n)).astype(np.float32)
     want = jax.lax.ragged_dot(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), precision="highest")
-    got = grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), interpret=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    assert not np.asarray(got)[rows - past :].any()  # the rows past every group
+    # the kernel in its own tiles and in fixed ones (batch invariance's), and those tiles through XLA
+    with jax.default_matmul_precision("highest"):
+        for got in (grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), interpret=True),
+                    grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), interpret=True, block_m=32),
+                    grouped_matmul_in_tiles(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), block_m=32)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+            assert not np.asarray(got)[rows - past :].any()  # the rows past every group
     assert block_rows(rows, groups) == (128 if rows == 700 else 16)
 
 
 def test_the_pallas_kernels_choose_it_for_moe_models():
+    """The kernel with the Pallas kernels, XLA's ragged_dot without; batch-invariant, both in fixed tiles."""
     model = shape("qwen3-30b-a3b")
     assert moe_matmul(Kernels.choose("pallas"), model).func is grouped_matmul
     assert moe_matmul(Kernels.choose("reference"), model) is jax.lax.ragged_dot
+    fixed = moe_matmul(Kernels.choose("pallas", batch_invariant=True), model)
+    assert fixed.func is grouped_matmul and fixed.keywords["block_m"] == GROUPED_TILE_ROWS
+    fixed = moe_matmul(Kernels.choose("reference", batch_invariant=True), model)
+    assert fixed.func is grouped_matmul_in_tiles and fixed.keywords["block_m"] == GROUPED_TILE_ROWS
 
 
 @pytest.mark.parametrize("tokens", [16, 8192])

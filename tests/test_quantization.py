@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 from driver import drive, perplexity
 
-from jaxrunner import LLM, EngineArgs, LoRARequest, Runner, RunnerConfig, SamplingParams
+from jaxrunner import LLM, EngineArgs, LoRARequest, ModelConfig, Runner, RunnerConfig, SamplingParams
 from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.checkpoints.loader import held_as, load_model
+from jaxrunner.config import WeightFormat
 from jaxrunner.engine import model_files
 from jaxrunner.models.quantization import Quantized, QuantizedStorage, dequantize, matmul, quantize, storage_dtype, widened
+from jaxrunner.models.tensors import layer_tensors
 
 DATA = Path(__file__).parent / "data"
 FORMATS = ("fp8", "int8", "int4")
@@ -95,6 +97,20 @@ def test_widening_a_weight_keeps_it_exactly():
         assert held.values.dtype == storage_dtype(storage.format) and held.scales.shape == (128 // storage.group, 24)
         assert bool(held.offsets.size) == storage.offsets
         np.testing.assert_array_equal(dequantize(held, jnp.float32), dequantize(w, jnp.float32))
+
+
+def test_weight_formats_that_cannot_be_held_are_named():
+    """A form a format cannot take, a weight the model does not quantize, a group that does not divide
+    K: each a ValueError naming it, before anything is built."""
+    cfg = ModelConfig.from_hf(DATA / "models" / "tiny-llama")
+    with pytest.raises(ValueError, match="always for int4"):
+        WeightFormat("wo", "int4", 32, False)
+    for held, match in ((WeightFormat("w_bogus", "int8", 32, False), "w_bogus"),
+                        (WeightFormat("wo", "int8", 48, False), "groups of 48")):
+        with pytest.raises(ValueError, match=match):
+            layer_tensors(dataclasses.replace(cfg, quantization="int8", weight_formats=(held,)))
+    with pytest.raises(ValueError, match="int4 has offsets"):
+        quantize(jnp.ones((64, 8)), "int4", offsets=False)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -16,8 +16,9 @@ The types kept, by their bytes per block (ggml-common.h):
 
 The scales and offsets are read from the blocks; the integers are gguf's own floats divided back
 by them (each float is the product of a scale and a small integer, plus the offset, rounded once:
-the division lands within far less than half a step of the integer). Their products and sums are
-then the ones gguf computes, bit for bit (tests check it on every type).
+the division lands within far less than half a step of the integer, unless an offset dwarfs its
+scale). Their products and sums are then the ones gguf computes, bit for bit: `unpack` checks it,
+and the integers' range, and gives up on a tensor where either fails (tests check every type).
 """
 
 from __future__ import annotations
@@ -38,14 +39,16 @@ class Kept:
     size: int  # bytes per block
 
 
+KEEPS_BLOCKS = ("int8", "int4")  # the quantizations a GGUF file converts into with its blocks as they are
 KEPT = {Q.Q4_0: Kept(4, 32, False, 18), Q.Q4_1: Kept(4, 32, True, 20), Q.Q4_K: Kept(4, 32, True, 144),
         Q.Q5_0: Kept(5, 32, False, 22), Q.Q5_1: Kept(5, 32, True, 24), Q.Q5_K: Kept(5, 32, True, 176),
         Q.Q6_K: Kept(6, 16, False, 210), Q.Q8_0: Kept(8, 32, False, 34)}
 
 
-def unpack(data: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def unpack(data: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
     """Rows of blocks of a type in `KEPT` (uint8 [rows, bytes]) as (q int8 [rows, cols], scale
-    float32 [rows, cols / group], offset like scale or None)."""
+    float32 [rows, cols / group], offset like scale or None); None where the integers do not give
+    back gguf's floats exactly (the tensor is then read as floats)."""
     from gguf.quants import dequantize
 
     rows, kept = data.shape[0], KEPT[qtype]
@@ -54,6 +57,11 @@ def unpack(data: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarr
     shifted = floats if offset is None else floats - offset[..., None]
     safe = np.where(scale == 0, 1, scale)[..., None]  # a zero scale holds only its offset: any q
     q = np.where(scale[..., None] == 0, 0, np.rint(shifted / safe))
+    low, high = (0, 2**kept.bits - 1) if kept.offsets else (-(2 ** (kept.bits - 1)), 2 ** (kept.bits - 1) - 1)
+    back = q.astype(np.float32) * scale[..., None]
+    back = back if offset is None else back + offset[..., None]
+    if q.min() < low or q.max() > high or not np.array_equal(back, floats):
+        return None
     return q.astype(np.int8).reshape(rows, -1), scale, offset
 
 

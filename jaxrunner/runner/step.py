@@ -35,11 +35,11 @@ from jaxrunner.models.attention import AttentionMetadata, paged_attend
 from jaxrunner.models.llama import MODEL_AXIS, Params, compute_logits, forward, slot_mask
 from jaxrunner.models.moe import GroupedMatmul
 from jaxrunner.models.quantization import Matmul
-from jaxrunner.models.row_tiles import per_row, row_tiled
+from jaxrunner.models.row_tiles import GROUPED_TILE_ROWS, per_row, row_tiled
 from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.runner.state import RunnerState
 from jaxrunner.sampling import SamplerFlags, SamplerOutput, SamplingMetadata, compute_logprobs, sample
-from pallas_kernels.grouped_matmul import grouped_matmul, supported
+from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_in_tiles, supported
 
 
 @pytree_dataclass
@@ -135,12 +135,15 @@ def resolve_positions(state: RunnerState, inp: TokenInputs) -> TokenInputs:
 @functools.cache
 def moe_matmul(kernels: Kernels, model: ModelConfig) -> GroupedMatmul:
     """The MoE MLP's grouped matmul: the Pallas kernel along with the Pallas attention (XLA's
-    `ragged_dot` reads every expert's weights), where its shapes allow; else `ragged_dot`. Cached,
-    so each choice is one object: the jitted decoder layer takes it as a static argument."""
+    `ragged_dot` reads every expert's weights), where its shapes allow; else `ragged_dot`.
+    Batch-invariant, in tiles of GROUPED_TILE_ROWS rows (the kernel's, or the same tiles through
+    XLA), so a row's products do not depend on what the batch routes beside it. Cached, so each
+    choice is one object: the jitted decoder layer takes it as a static argument."""
+    fixed = dict(block_m=GROUPED_TILE_ROWS) if kernels.batch_invariant else {}
     if kernels.pallas and supported(model.hidden_size, 2 * model.intermediate_size) and supported(
             model.intermediate_size, model.hidden_size):
-        return functools.partial(grouped_matmul, interpret=kernels.interpret)
-    return jax.lax.ragged_dot
+        return functools.partial(grouped_matmul, interpret=kernels.interpret, **fixed)
+    return functools.partial(grouped_matmul_in_tiles, **fixed) if fixed else jax.lax.ragged_dot
 
 
 @functools.cache
