@@ -22,7 +22,7 @@ case "$1" in
   tests)
     python3 -c 'from jaxrunner import platform; import jax; print(jax.devices()[0].device_kind, "SMs:", platform.num_sms())'
     timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_parity.py tests/test_ragged_paged_attention_gpu.py \
-      tests/test_sampler.py tests/test_quantized_matmul.py -k "not matches_reference" 2>&1 | tail -5
+      tests/test_sampler.py tests/test_quantized_matmul.py tests/test_grouped_matmul.py -k "not matches_reference" 2>&1 | tail -5
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_warmup.py tests/test_kv_sizing.py tests/test_hf_parity.py \
       -k "warmed_up or directly or peak or pallas" 2>&1 | tail -5
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_host_tier.py tests/test_batch_invariant.py 2>&1 | tail -5 ;;

@@ -86,6 +86,15 @@ def test_a_request_gives_the_same_bits_in_any_batch(llm, alone, seeded, others, 
     assert tokens == want_tokens and logprobs == want_logprobs  # bitwise, not within a tolerance
 
 
+@pytest.mark.parametrize("budget", [16, 128])
+def test_other_chunk_sizes_keep_the_bits(model_dir, alone, budget):
+    """A token budget of 16 (the 41-token prompt in three chunks) or 128 (in one) where the reference
+    had 64: the same bits, greedy and seeded."""
+    with LLM(model_dir, batch_invariant=True, **(ENGINE | {"max_num_batched_tokens": budget})) as llm:
+        for seeded in (False, True):
+            assert run(llm, [TARGET], params(seeded), 0) == alone[0][seeded]
+
+
 def random_batch(target: list[int], others: int, seed: int) -> tuple[list[list[int]], int]:
     rng = np.random.default_rng(seed)
     batch = [[int(t) for t in rng.integers(3, 1024, n)] for n in rng.integers(1, 90, others)]
@@ -118,6 +127,7 @@ def test_a_draft_models_drafts_keep_the_bits_of_plain_sampling(model_dir, alone,
             batch, place = random_batch(TARGET, others, seed)
             assert run(llm, batch, params(True), place) == alone[0][True]
         stats = llm.llm_engine.stats().spec_decoding
+        assert llm.llm_engine.runner.init_state().draft_probs.size == 0  # q is not kept: the rule does not read it
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
 
 

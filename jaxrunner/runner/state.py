@@ -33,7 +33,7 @@ class RunnerState:
     kv: tuple
     lens: jax.Array  # i32 [max_num_seqs] (speculative decoding; else [0]): tokens known per row
     draft_kv: tuple  # the draft model's `kv` (else ())
-    draft_probs: jax.Array  # f32 [max_num_seqs, k, V]: the drafts' q (draft model; else [0, 0, 0])
+    draft_probs: jax.Array  # f32 [max_num_seqs, k, V]: the drafts' q (draft model, not batch-invariant; else [0, 0, 0])
 
 
 def state_specs(state: RunnerState) -> RunnerState:
@@ -57,5 +57,7 @@ def init_state(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None 
         kv=pages(model),
         lens=jnp.zeros(rows if spec else 0, jnp.int32),
         draft_kv=pages(draft) if draft is not None else (),
-        draft_probs=jnp.zeros((rows, spec, model.vocab_size) if draft is not None else (0, 0, 0), jnp.float32),
+        # Batch-invariant, a draft model's drafts are verified as point masses: their q is not kept.
+        draft_probs=jnp.zeros((rows, spec, model.vocab_size) if draft is not None and not cfg.batch_invariant
+                              else (0, 0, 0), jnp.float32),
     )

@@ -57,7 +57,7 @@ def propose(
         history = state.token_ids[slots] if flags.penalties or flags.bad_words else jnp.zeros((b, 0), jnp.int32)
         draft, q = draft_sample(process_logits(logits, step_md, flags, history, kernels), step_md)
         col = jnp.where(committing, pos + 1, state.token_ids.shape[1])
-        probs = state.draft_probs.at[token_rows, j].set(q, mode="drop")
+        probs = state.draft_probs.at[token_rows, j].set(q, mode="drop") if state.draft_probs.size else state.draft_probs
         token_ids = state.token_ids.at[token_rows, col].set(draft, mode="drop")
         return dataclasses.replace(state, token_ids=token_ids, draft_kv=draft_kv, draft_probs=probs), None
 

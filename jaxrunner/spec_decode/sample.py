@@ -52,9 +52,9 @@ def spec_sample_step(
     processed = per_row(lambda r: process_logits(r[0], r[1], flags, r[2], kernels), (logits, md, history), tiled)
     drafts = jnp.take_along_axis(state.token_ids[slots], jnp.clip(positions[:, :k], 0, state.token_ids.shape[1] - 1), axis=1)
     num_drafts = jnp.minimum(samples.num_drafts, k)
-    # Batch-invariant, a draft model's drafts are verified as point masses (their q left out): the
-    # tokens are then plain sampling's, whatever was drafted (`rejection`), at a lower acceptance.
-    draft_probs = state.draft_probs[slots] if draft_model and not tiled else None
+    # Batch-invariant, a draft model's q is not kept (`state.init_state`): its drafts are verified as
+    # point masses, so the tokens are plain sampling's whatever was drafted (`rejection`).
+    draft_probs = state.draft_probs[slots] if state.draft_probs.size else None
     tokens, num_kept = verify_drafts(processed, md, drafts, num_drafts, draft_probs)
 
     kept = jnp.arange(k1)[None, :] < num_kept[:, None]
