@@ -103,7 +103,9 @@ for _ in range(400):
   moe)  # batch 64: 64 prompts of 128 tokens, 128 new each (the prefill is in the time)
     timeout 280 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --json "$OUT/moe_b1.json" 2>&1 | tail -6
     timeout 300 python3 -m jaxrunner.cli bench throughput --shape qwen3-30b-a3b --num-prompts 64 --min-prompt 128 \
-      --max-prompt 128 --new 128 --json "$OUT/moe_b64.json" 2>&1 | tr '\r' '\n' | tail -6 ;;
+      --max-prompt 128 --new 128 --json "$OUT/moe_b64.json" 2>&1 | tr '\r' '\n' | tail -6
+    timeout 280 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --no-peer \
+      --batch-invariant --json "$OUT/moe_b1_invariant.json" 2>&1 | grep jaxrunner ;;  # the mode's fixed tiles
   *)
     echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|quant" >&2; exit 2 ;;
 esac
