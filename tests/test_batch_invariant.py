@@ -23,8 +23,10 @@ from jaxrunner.config import Kernels
 from jaxrunner.bench.throughput import random_adapter
 from jaxrunner.lora_request import LoRARequest
 from jaxrunner.models.moe import moe_mlp
+from jaxrunner.models.quantization import matmul, quantize
+from jaxrunner.models.row_tiles import fixed_tile_matmul, row_tiled
 from jaxrunner.runner.programs import SAMPLE
-from jaxrunner.runner.step import moe_matmul
+from jaxrunner.runner.step import moe_matmul, projection_matmul
 from pallas_kernels.ragged_paged_attention import decode_config
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 576,
@@ -158,12 +160,15 @@ def test_a_lora_request_gives_the_same_bits_in_any_batch(model_dir, tmp_path):
             assert run(llm, batch, params(True), place, lora_request=adapters) == want
 
 
-def test_the_pallas_attention_keeps_the_bits_too(model_dir):
-    """The Pallas kernels (interpreted here): a decode runs the kernel a mixed batch runs (the
-    decode kernel's KV splits would follow the batch), so the bits stay."""
+def test_the_pallas_kernels_keep_the_bits_too(model_dir):
+    """The Pallas kernels (interpreted here): a decode runs the attention kernel a mixed batch runs
+    (the decode kernel's KV splits would follow the batch), and the projections run the grouped
+    matmul kernel in fixed tiles (where XLA's GPU matmul picks its algorithm by the row count), so
+    the bits stay."""
     splits = {decode_config(jnp.bfloat16, 128, 16, queries_per_seq=1, num_tokens=n, num_kv_heads=8, max_context=4096,
                             num_sms=132).num_splits for n in (1, 256)}
     assert len(splits) == 2  # on an H200 the decode kernel splits a sequence by the batch's size
+    assert projection_matmul(Kernels.choose("pallas", batch_invariant=True)).func is fixed_tile_matmul
     with LLM(model_dir, batch_invariant=True, kernels="pallas", **ENGINE) as llm:
         assert not llm.llm_engine.runner.ctx.decode_form
         want = run(llm, [TARGET], params(False), 0)
@@ -217,6 +222,23 @@ def test_the_moe_mlp_gives_each_token_its_own_bits():
         assert not out[real:].any()  # padding goes to no expert
     default = np.asarray(moe_mlp(x[:7], router, gate_up, down, jax.nn.silu, cfg))
     np.testing.assert_allclose(alone, default, rtol=1e-5, atol=1e-5 * np.abs(default).max())  # one function
+
+
+def test_the_fixed_tile_matmul_gives_each_row_its_own_bits():
+    """A GPU's batch-invariant projection (`row_tiles.fixed_tile_matmul`, interpreted here): each
+    row the same bits alone and in 2, 5 or 100 rows (two tiles), and the product x @ w; a quantized
+    weight takes the row tiles."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((100, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 48)) * 0.1, jnp.float32)
+    product = jax.jit(lambda x, w: fixed_tile_matmul(matmul, x, w, interpret=True))
+    alone = np.stack([np.asarray(product(x[i : i + 1], w))[0] for i in range(5)])
+    for n in (2, 5, 100):
+        np.testing.assert_array_equal(np.asarray(product(x[:n], w))[: min(n, 5)], alone[: min(n, 5)])
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(np.asarray(product(x, w)), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
+    held = quantize(w, "int8")
+    np.testing.assert_array_equal(np.asarray(product(x[:5], held)), np.asarray(row_tiled(matmul, x[:5], held)))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -7,7 +7,10 @@ reduction (a softmax's sum) differs between one row and several. Cut into tiles 
 of rows and run one tile at a time (a loop, which XLA does not fuse back into one call), every row
 goes through a call of one shape, so its bits depend on its own values only: neither on the batch
 size nor on its position in the batch. There are always two tiles at least: XLA inlines a loop of
-one round, whose body then fuses with what surrounds it, and its sums change.
+one round, whose body then fuses with what surrounds it, and its sums change. Each tile of a
+product reads the whole weight, so on a GPU the projections run a kernel's fixed tiles instead
+(`fixed_tile_matmul`). Split over devices, partial sums are added in device order
+(`summed_in_order`).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_matmul import grouped_matmul, supported
+
 TILE_ROWS = 8
-# A batch-invariant MoE MLP's grouped matmul runs its rows in tiles of this many, each of one
-# expert (`step.moe_matmul`): a fixed shape, as TILE_ROWS, but the tile reads its expert's weights,
-# so it is larger: a prefill's copies per expert re-read each expert's weights fewer times.
+# The grouped matmul's rows per tile, batch-invariant (an MoE MLP's experts: `step.moe_matmul`; a
+# projection on a GPU: `fixed_tile_matmul`): a fixed shape, as TILE_ROWS, but each tile reads its
+# weights, so it is larger: the weights are read once per 64 rows.
 GROUPED_TILE_ROWS = 64
 
 
@@ -37,6 +42,19 @@ def row_tiled(f: Callable, rows, *whole):
 
     out = jax.lax.map(lambda tile: f(tile, *whole), jax.tree.map(tiles, rows))
     return jax.tree.map(lambda a: a.reshape(count * TILE_ROWS, *a.shape[2:])[:m], out)
+
+
+def fixed_tile_matmul(matmul: Callable, x: jax.Array, w, *, interpret: bool) -> jax.Array:
+    """x [M, K] @ w [K, N] with each row's bits its own, for a GPU: the Pallas grouped matmul with
+    one group, in tiles of GROUPED_TILE_ROWS rows over the whole of K, so a row's sums have one
+    order whatever M is, and the weight is read once per tile, where `row_tiled` reads it once per
+    TILE_ROWS rows in a loop. Weights it does not take (quantized, a shape it does not support, or
+    split over devices: the partitioner cannot split a kernel) go through `row_tiled(matmul, ...)`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if isinstance(w, jax.Array) and supported(*w.shape) and (mesh.empty or mesh.size == 1):
+        rows = jnp.full((1,), x.shape[0], jnp.int32)
+        return grouped_matmul(x, w[None], rows, interpret=interpret, block_m=GROUPED_TILE_ROWS)
+    return row_tiled(matmul, x, w)
 
 
 def per_row(f: Callable, rows, tiled: bool):

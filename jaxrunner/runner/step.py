@@ -35,7 +35,7 @@ from jaxrunner.models.attention import AttentionMetadata, paged_attend
 from jaxrunner.models.llama import MODEL_AXIS, Params, compute_logits, forward, slot_mask
 from jaxrunner.models.moe import GroupedMatmul
 from jaxrunner.models.quantization import Matmul
-from jaxrunner.models.row_tiles import GROUPED_TILE_ROWS, per_row, row_tiled
+from jaxrunner.models.row_tiles import GROUPED_TILE_ROWS, fixed_tile_matmul, per_row, row_tiled
 from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.runner.state import RunnerState
 from jaxrunner.sampling import SamplerFlags, SamplerOutput, SamplingMetadata, compute_logprobs, sample
@@ -149,12 +149,17 @@ def moe_matmul(kernels: Kernels, model: ModelConfig) -> GroupedMatmul:
 @functools.cache
 def projection_matmul(kernels: Kernels) -> Matmul:
     """The layers' projections: with the Pallas kernels on a GPU, quantized weights' decode-shaped
-    calls run the Mosaic kernel (`quantization.matmul`); batch-invariant, tile by tile
+    calls run the Mosaic kernel (`quantization.matmul`); batch-invariant, tile by tile: in fixed
+    tiles of the grouped matmul kernel with the Pallas kernels, else a loop of row tiles
     (`row_tiles`). Cached, as `moe_matmul`."""
     product = quantization.matmul
     if kernels.pallas and not kernels.interpret:
         product = functools.partial(quantization.matmul, num_sms=kernels.num_sms)
-    return functools.partial(row_tiled, product) if kernels.batch_invariant else product
+    if not kernels.batch_invariant:
+        return product
+    if kernels.pallas:
+        return functools.partial(fixed_tile_matmul, product, interpret=kernels.interpret)
+    return functools.partial(row_tiled, product)
 
 
 def backbone(
