@@ -525,8 +525,8 @@ class RunnerConfig:
     on JAX's persistent compilation cache (process-wide) there, and the runner's program cache in
     its `programs` folder (`program_cache`: found without lowering). `batch_invariant`: a request's
     tokens and logprobs do not depend on the batch it runs in (`Kernels.batch_invariant`; under
-    tensor parallelism with its partial sums added in a fixed order, MoE models with each token
-    copy on its own, a draft model's drafts verified as n-gram drafts are). `num_host_blocks`: the
+    tensor parallelism with its partial sums added in a fixed order, MoE models' grouped matmul in
+    fixed tiles, a draft model's drafts verified as n-gram drafts are). `num_host_blocks`: the
     blocks of the prefix cache's host tier (`runner.host_kv`; 0: none).
     """
 

@@ -61,6 +61,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
     if k_rhs != k or not supported(k, n):
         raise ValueError(f"grouped_matmul cannot run lhs {lhs.shape} by rhs {rhs.shape}: it needs K and N in "
                          "multiples of 16")
+    if block_m and (block_m < 16 or block_m != next_pow2(block_m)):
+        raise ValueError(f"grouped_matmul takes tiles of a power of two rows, 16 or more, got block_m={block_m}")
     block_m = block_m or block_rows(num_rows, num_groups)
     plan = plan_tiles(group_sizes, num_rows, block_m)
     block_n, block_k = math.gcd(n, 128), math.gcd(k, 64)

@@ -208,20 +208,24 @@ def test_the_moe_mlp_gives_each_token_its_own_bits():
     rng = np.random.default_rng(3)
     router, gate_up, down = (jnp.asarray(rng.standard_normal(s) * 0.05, jnp.float32)
                              for s in ((512, 4), (4, 512, 768), (4, 384, 512)))
-    x = jnp.asarray(rng.standard_normal((64, 512)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((200, 512)), jnp.float32)
     grouped = moe_matmul(Kernels.choose("reference", batch_invariant=True), cfg)
 
     @jax.jit
     def mlp(x: jax.Array, valid: jax.Array) -> jax.Array:
         return moe_mlp(x, router, gate_up, down, jax.nn.silu, cfg, valid, grouped, batch_invariant=True)
 
-    alone = np.stack([np.asarray(mlp(x[i : i + 1], jnp.ones(1, bool)))[0] for i in range(7)])
-    for n, real in ((2, 2), (7, 5), (64, 7)):
+    rows = [0, 1, 2, 3, 4, 150, 190]  # in 200 rows an expert's copies fill more than one tile of 64
+    alone = np.stack([np.asarray(mlp(x[i : i + 1], jnp.ones(1, bool)))[0] for i in rows])
+    for n, real in ((2, 2), (7, 5), (64, 5), (200, 200)):
         out = np.asarray(mlp(x[:n], jnp.arange(n) < real))
-        np.testing.assert_array_equal(out[:real], alone[:real])
+        kept = [j for j, i in enumerate(rows) if i < real]
+        np.testing.assert_array_equal(out[[rows[j] for j in kept]], alone[kept])
         assert not out[real:].any()  # padding goes to no expert
-    default = np.asarray(moe_mlp(x[:7], router, gate_up, down, jax.nn.silu, cfg))
-    np.testing.assert_allclose(alone, default, rtol=1e-5, atol=1e-5 * np.abs(default).max())  # one function
+    default = np.asarray(moe_mlp(x[:5], router, gate_up, down, jax.nn.silu, cfg))
+    np.testing.assert_allclose(alone[:5], default, rtol=1e-5, atol=1e-5 * np.abs(default).max())  # one function
+    with pytest.raises(ValueError, match="fixed tiles"):
+        moe_mlp(x, router, gate_up, down, jax.nn.silu, cfg, batch_invariant=True)  # ragged_dot's follow the batch
 
 
 def test_the_fixed_tile_matmul_gives_each_row_its_own_bits():
@@ -232,9 +236,11 @@ def test_the_fixed_tile_matmul_gives_each_row_its_own_bits():
     x = jnp.asarray(rng.standard_normal((100, 64)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((64, 48)) * 0.1, jnp.float32)
     product = jax.jit(lambda x, w: fixed_tile_matmul(matmul, x, w, interpret=True))
-    alone = np.stack([np.asarray(product(x[i : i + 1], w))[0] for i in range(5)])
+    rows = [0, 1, 2, 3, 4, 70, 99]  # the last two in the second tile of 64
+    alone = np.stack([np.asarray(product(x[i : i + 1], w))[0] for i in rows])
     for n in (2, 5, 100):
-        np.testing.assert_array_equal(np.asarray(product(x[:n], w))[: min(n, 5)], alone[: min(n, 5)])
+        kept = [j for j, i in enumerate(rows) if i < n]
+        np.testing.assert_array_equal(np.asarray(product(x[:n], w))[[rows[j] for j in kept]], alone[kept])
     with jax.default_matmul_precision("highest"):
         np.testing.assert_allclose(np.asarray(product(x, w)), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
     held = quantize(w, "int8")

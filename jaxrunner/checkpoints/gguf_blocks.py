@@ -18,7 +18,8 @@ The scales and offsets are read from the blocks; the integers are gguf's own flo
 by them (each float is the product of a scale and a small integer, plus the offset, rounded once:
 the division lands within far less than half a step of the integer, unless an offset dwarfs its
 scale). Their products and sums are then the ones gguf computes, bit for bit: `unpack` checks it,
-and the integers' range, and gives up on a tensor where either fails (tests check every type).
+and the integers' range, and gives up on a tensor where either fails (tests check every type); the
+loader then quantizes that tensor's floats into its weight's form, with a warning.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ KEPT = {Q.Q4_0: Kept(4, 32, False, 18), Q.Q4_1: Kept(4, 32, True, 20), Q.Q4_K: K
 def unpack(data: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
     """Rows of blocks of a type in `KEPT` (uint8 [rows, bytes]) as (q int8 [rows, cols], scale
     float32 [rows, cols / group], offset like scale or None); None where the integers do not give
-    back gguf's floats exactly (the tensor is then read as floats)."""
+    back gguf's floats exactly."""
     from gguf.quants import dequantize
 
     rows, kept = data.shape[0], KEPT[qtype]

@@ -168,6 +168,10 @@ class GGUFFile:
         return Quantized(self._rows(name, values), self._rows(name, scales).T,
                          np.zeros((0,), np.float32) if offsets is None else self._rows(name, offsets).T)
 
+    def kept(self, name: str) -> bool:
+        """Whether the tensor's blocks are of a type kept as they are (`gguf_blocks.KEPT`)."""
+        return self.tensors[name][0].tensor_type in KEPT
+
     def kept_formats(self, fmt: str) -> tuple[WeightFormat, ...]:
         """How the layers' quantized weights are held in a model of format `fmt` (int8 or int4)
         that keeps this file's blocks as they are: each weight in the one form that holds every

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ from jaxrunner.checkpoints.gguf_file import GGUFFile, gguf_path, open_gguf
 from jaxrunner.models.llama import Params, param_structs, quantize_params
 from jaxrunner.models.quantization import Quantized, join_columns, widened
 from jaxrunner.models.tensors import DENSE, Tensor, each_tensor, layer_tensors, top_tensors
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,11 @@ class Checkpoint:
         if (self.config.quantization not in KEEPS_BLOCKS or tensor.storage == DENSE or not part.transposed
                 or not isinstance(self.tensors, GGUFFile)):
             return None
-        return self.tensors.read_blocks(part.name)
+        blocks = self.tensors.read_blocks(part.name)
+        if blocks is None and self.tensors.kept(part.name):
+            logger.warning("the blocks of %s do not give back their floats exactly: quantizing its floats instead",
+                           part.name)
+        return blocks
 
 
 PARAMS_DIR = "params"  # the orbax checkpoint inside a directory written by save_params

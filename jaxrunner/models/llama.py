@@ -182,7 +182,7 @@ def forward(
     `batch_invariant`: the mode whose `matmul` runs tile by tile (`RunnerConfig.batch_invariant`);
     the rest of each token's bits are then made its own too: under tensor parallelism the
     row-parallel projections add their devices' partial sums in a fixed order
-    (`row_parallel_in_order`), and an MoE MLP runs each token copy on its own (`moe.moe_mlp`).
+    (`row_parallel_in_order`), and an MoE MLP keeps each token's bits its own (`moe.moe_mlp`).
 
     `attend[g](q, k, v, kv_layer, window) -> (out [T, Hq, D], kv_layer)` writes this step's keys and
     values into the paged cache of a layer of KV-cache group g and attends over it (over the last

@@ -48,6 +48,9 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
     the devices' outputs, as the dense MLP's down projection ends. An all-to-all of the copies
     would move fewer bytes, but at decode's few tokens a step is bound by reading the experts, and
     this form keeps one collective per layer with no capacity to size."""
+    if batch_invariant and grouped_matmul is jax.lax.ragged_dot:
+        raise ValueError("a batch-invariant MoE MLP needs a grouped matmul in fixed tiles (`step.moe_matmul` "
+                         "chooses one): ragged_dot's products follow the batch")
     experts = functools.partial(_experts, grouped_matmul=grouped_matmul, batch_invariant=batch_invariant)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get(MODEL_AXIS, 1) == 1:
