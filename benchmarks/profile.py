@@ -7,8 +7,8 @@ step: the wall time (untraced), the floor, and from a traced run of as many step
 time (union of its kernels), its span (busy plus the gaps: host work, launches, copies; tracing
 widens them), and the kernels that take the most time.
 
-    PYTHONPATH=$PWD python benchmarks/profile.py --shape llama3-8b --batch 1 --context 128 [--inline-layers]
-Writes $OUT/profile_b{batch}_c{context}_k{decode_steps}[_inline].json when OUT is set, with the
+    PYTHONPATH=$PWD python benchmarks/profile.py --shape llama3-8b --batch 1 --context 128 [--inline-layers] [--batch-invariant]
+Writes $OUT/profile_b{batch}_c{context}_k{decode_steps}[_inline][_invariant].json when OUT is set, with the
 first traced step's kernels in order (one layer's chain of kernels is read there).
 """
 
@@ -34,7 +34,8 @@ from jaxrunner.checkpoints.dummy import SHAPES, shape
 from jaxrunner.runner.memory import kv_cache_bytes
 
 
-def decode_batch(name: str, batch: int, context: int, steps: int, num_steps: int) -> tuple[Runner, object, list]:
+def decode_batch(name: str, batch: int, context: int, steps: int, num_steps: int,
+                 batch_invariant: bool = False) -> tuple[Runner, object, list]:
     """A bf16 runner with random weights and the SchedulerOutputs of `steps` decode calls of `batch`
     requests whose first `context` - 1 tokens count as cached (zeroed pages: timing only)."""
     model = shape(name)
@@ -44,7 +45,7 @@ def decode_batch(name: str, batch: int, context: int, steps: int, num_steps: int
     config = RunnerConfig(
         max_num_seqs=batch, max_num_batched_tokens=max(batch, 16), max_model_len=length, block_size=16,
         num_blocks=batch * blocks_per_req, dtype=dtype, token_buckets=(max(batch, 16),), request_buckets=(batch,),
-        num_scheduler_steps=num_steps,
+        num_scheduler_steps=num_steps, batch_invariant=batch_invariant,
     )
     runner = Runner(model, init_params(model, jax.random.key(0), dtype), config)
     ids = [f"r{i}" for i in range(batch)]
@@ -151,11 +152,13 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=1, help="decode steps per device call")
     parser.add_argument("--inline-layers", action="store_true",
                         help="trace every layer in place instead of calling the jitted llama.decoder_layer")
+    parser.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode's step")
     args = parser.parse_args()
     if args.inline_layers:  # the step as it was lowered before the layer became a jitted function
         llama.decoder_layer = llama.decoder_layer.__wrapped__
 
-    runner, state, scheds = decode_batch(args.shape, args.batch, args.context, 2 * args.steps + 3, args.decode_steps)
+    runner, state, scheds = decode_batch(args.shape, args.batch, args.context, 2 * args.steps + 3, args.decode_steps,
+                                         args.batch_invariant)
     state, _ = pipelined(runner, state, scheds[:3])  # compile and warm
     state, seconds = pipelined(runner, state, scheds[3 : 3 + args.steps])
     events = trace_kernels(lambda: pipelined(runner, state, scheds[3 + args.steps :]))
@@ -167,7 +170,8 @@ def main() -> None:
     result |= summarise(events, args.steps * args.decode_steps)
     print(json.dumps({k: v for k, v in result.items() if k != "first_step_kernels"}, indent=1))
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"profile_b{args.batch}_c{args.context}_k{args.decode_steps}{'_inline' * args.inline_layers}.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"profile_b{args.batch}_c{args.context}_k{args.decode_steps}{'_inline' * args.inline_layers}"
+                               f"{'_invariant' * args.batch_invariant}.json"), "w") as f:
             json.dump(result, f, indent=1)
 
 

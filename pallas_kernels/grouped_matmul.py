@@ -53,24 +53,29 @@ def plan_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret: bool = False,
-                   block_m: int = 0) -> jax.Array:
-    """[M, N] in lhs's dtype for lhs [M, K], rhs [E, K, N], group_sizes [E] (as `ragged_dot`), in
-    tiles of `block_m` rows (0: `block_rows`)."""
+                   block_m: int = 0, block_n: int = 0, rhs_transposed: bool = False, out_dtype=None) -> jax.Array:
+    """[M, N] in `out_dtype` (default lhs's) for lhs [M, K], rhs [E, K, N] ([E, N, K] when
+    `rhs_transposed`: a tied LM head is the embedding [vocab, hidden] as it is held), group_sizes
+    [E] (as `ragged_dot`), in tiles of `block_m` rows (0: `block_rows`) by `block_n` columns (0: up
+    to 128)."""
     num_rows, k = lhs.shape
-    num_groups, k_rhs, n = rhs.shape
+    num_groups, k_rhs, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if rhs_transposed else rhs.shape
     if k_rhs != k or not supported(k, n):
         raise ValueError(f"grouped_matmul cannot run lhs {lhs.shape} by rhs {rhs.shape}: it needs K and N in "
                          "multiples of 16")
-    if block_m and (block_m < 16 or block_m != next_pow2(block_m)):
-        raise ValueError(f"grouped_matmul takes tiles of a power of two rows, 16 or more, got block_m={block_m}")
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        if size and (size < 16 or size != next_pow2(size)):
+            raise ValueError(f"grouped_matmul takes tiles of a power of two rows and columns, 16 or more, got {name}={size}")
+    if block_n and n % block_n:
+        raise ValueError(f"grouped_matmul's block_n={block_n} does not divide N={n}")
     block_m = block_m or block_rows(num_rows, num_groups)
     plan = plan_tiles(group_sizes, num_rows, block_m)
-    block_n, block_k = math.gcd(n, 128), math.gcd(k, 64)
+    block_n, block_k = block_n or math.gcd(n, 128), math.gcd(k, 64)
     out = pl.pallas_call(
-        functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k),
+        functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, rhs_transposed=rhs_transposed),
         grid=(plan.shape[0], n // block_n),
-        out_shape=jax.ShapeDtypeStruct((num_rows, n), lhs.dtype),
-        compiler_params=plt.CompilerParams(num_warps=4 if block_m <= 32 else 8, num_stages=3),
+        out_shape=jax.ShapeDtypeStruct((num_rows, n), out_dtype or lhs.dtype),
+        compiler_params=plt.CompilerParams(num_warps=4 if min(block_m, block_n) <= 32 else 8, num_stages=3),
         interpret=interpret,
         name=f"grouped_matmul_m{block_m}_n{block_n}_k{block_k}",
     )(plan, lhs, rhs)
@@ -98,7 +103,7 @@ def grouped_matmul_in_tiles(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arr
     return out[:num_rows]
 
 
-def _kernel(plan_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int, block_k: int):
+def _kernel(plan_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int, block_k: int, rhs_transposed: bool):
     tile, col = pl.program_id(0), pl.program_id(1)
     group, first, end = plan_ref[tile, 0], plan_ref[tile, 1], plan_ref[tile, 2]
 
@@ -113,8 +118,14 @@ def _kernel(plan_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int, 
         def step(i, acc):
             ks = i * block_k + kk
             a = plt.load(lhs_ref.at[rows[:, None], ks[None, :]], mask=ok[:, None], other=0.0)
-            b = plt.load(rhs_ref.at[group, ks[:, None], cols[None, :]])
-            return acc + jax.lax.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+            if rhs_transposed:
+                b = plt.load(rhs_ref.at[group, cols[:, None], ks[None, :]])
+                product = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                                              preferred_element_type=jnp.float32)
+            else:
+                product = jax.lax.dot(a, plt.load(rhs_ref.at[group, ks[:, None], cols[None, :]]), precision=precision,
+                                      preferred_element_type=jnp.float32)
+            return acc + product
 
         acc = jax.lax.fori_loop(0, lhs_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
         plt.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=ok[:, None])

@@ -14,7 +14,8 @@ and sees keys j <= position (and j > position - sliding_window when set).
 
 Two entry points share one kernel (`attention_kernel.py`) and differ only in static tiling:
 - `ragged_paged_attention`: any mix; `block_q` tokens of one sequence per program (about 128 rows
-  with the GQA group), no KV split: built for prefill chunks, correct for everything;
+  with the GQA group; 16 in batch-invariant steps), no KV split: built for prefill chunks, correct
+  for everything;
 - `ragged_paged_attention_decode`: the decode specialisation for a batch where no sequence has more
   than `queries_per_seq` query tokens (1, or 1 + k speculative drafts): one program per sequence and
   KV head with as few padded rows as the dot allows, and the context split across programs
@@ -51,11 +52,14 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool = False,
+    batch_invariant: bool = False,
     config: KernelConfig | None = None,
 ) -> jax.Array:
-    """Attention for a packed ragged batch (prefill chunks and decodes mixed); returns [T, Hq, D]."""
+    """Attention for a packed ragged batch (prefill chunks and decodes mixed); returns [T, Hq, D].
+    `batch_invariant`: `invariant_config`'s tiling."""
     spec = _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap)
-    cfg = config or prefill_config(q.dtype, q.shape[2], spec.padded_group)
+    tiling = invariant_config if batch_invariant else prefill_config
+    cfg = config or tiling(q.dtype, q.shape[2], spec.padded_group)
     return _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
                       spec=spec, cfg=cfg, interpret=interpret)
 
@@ -99,6 +103,17 @@ def prefill_config(dtype, head_dim: int, padded_group: int) -> KernelConfig:
     rows = 64 if big else 128
     block_q = max(1, rows // padded_group)
     return KernelConfig(block_q=block_q, block_k=32 if big else 64, num_warps=4, num_stages=2 if big else 3)
+
+
+def invariant_config(dtype, head_dim: int, padded_group: int) -> KernelConfig:
+    """Tiling for batch-invariant steps, one for every batch: no KV split (the decode kernel's
+    splits follow the batch's size), and tiles of 16 rows, the smallest dot, as the decode kernel's,
+    so that a decode, which fills one row per query head, does not pay for the 128 rows of a
+    prefill's tile. A row's keys are then visited in one order whatever the batch or the chunk
+    around it; a prefill chunk pays by re-reading its keys once per 16 rows."""
+    big = head_dim > 128 or jnp.dtype(dtype) == jnp.float32
+    return KernelConfig(block_q=max(1, 16 // padded_group), block_k=32 if big else 64, num_warps=4,
+                        num_stages=2 if big else 3)
 
 
 def decode_config(dtype, head_dim: int, padded_group: int, *, queries_per_seq: int, num_tokens: int,

@@ -26,7 +26,7 @@ from jaxrunner.models.moe import moe_mlp
 from jaxrunner.models.quantization import matmul, quantize
 from jaxrunner.models.row_tiles import fixed_tile_matmul, row_tiled
 from jaxrunner.runner.programs import SAMPLE
-from jaxrunner.runner.step import moe_matmul, projection_matmul
+from jaxrunner.runner.step import logits_matmul, moe_matmul, projection_matmul
 from pallas_kernels.ragged_paged_attention import decode_config
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 576,
@@ -245,6 +245,26 @@ def test_the_fixed_tile_matmul_gives_each_row_its_own_bits():
         np.testing.assert_allclose(np.asarray(product(x, w)), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
     held = quantize(w, "int8")
     np.testing.assert_array_equal(np.asarray(product(x[:5], held)), np.asarray(row_tiled(matmul, x[:5], held)))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_gpus_lm_head_runs_in_fixed_tiles_in_fp32(tied):
+    """A GPU's batch-invariant logits (`step.logits_matmul` with the Pallas kernels, interpreted here):
+    the grouped matmul's fixed tiles, a tied head read as the embedding [vocab, hidden] as it is
+    held, fp32 out of bf16 operands; each row the same bits alone and among 100, and the product."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((100, 64)), jnp.bfloat16)
+    head = jnp.asarray(rng.standard_normal((80, 64) if tied else (64, 80)) * 0.1, jnp.bfloat16)
+    product = jax.jit(logits_matmul(Kernels.choose("pallas", batch_invariant=True)), static_argnums=2)
+    rows = [0, 3, 70, 99]
+    alone = np.stack([np.asarray(product(x[i : i + 1], head, tied))[0] for i in rows])
+    got = np.asarray(product(x, head, tied))
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got[rows], alone)
+    w = np.asarray(head, np.float64)
+    want = np.asarray(x, np.float64) @ (w.T if tied else w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert "grouped_matmul_m64" in str(jax.make_jaxpr(product, static_argnums=2)(x, head, tied))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -1,6 +1,6 @@
 """The Pallas grouped matmul (`pallas_kernels.grouped_matmul`) against `jax.lax.ragged_dot` on fresh
 random inputs, interpreted on the CPU (empty groups, rows past every group, decode- and prefill-sized
-tiles, fixed tiles and their XLA form), and its Triton lowering for an H200 at the Qwen3-30B-A3B expert shapes."""
+tiles, fixed tiles and their XLA form, rhs held transposed), and its Triton lowering for an H200 at the Qwen3-30B-A3B expert shapes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from jaxrunner.config import Kernels
 from jaxrunner.checkpoints.dummy import shape
-from jaxrunner.models.row_tiles import GROUPED_TILE_ROWS
+from jaxrunner.models.row_tiles import GROUPED_TILE_ROWS, fixed_tile_matmul
 from jaxrunner.platform import H200
 from jaxrunner.runner.step import moe_matmul
 from pallas_kernels.grouped_matmul import block_rows, grouped_matmul, grouped_matmul_in_tiles
@@ -30,7 +30,10 @@ def test_equals_ragged_dot(rows, k, n, groups, past):
     # the kernel in its own tiles and in fixed ones (batch invariance's), and those tiles through XLA
     with jax.default_matmul_precision("highest"):
         for got in (grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), interpret=True),
-                    grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), interpret=True, block_m=32),
+                    grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), interpret=True, block_m=32,
+                                   block_n=16),
+                    grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs.transpose(0, 2, 1)), jnp.asarray(sizes),
+                                   interpret=True, rhs_transposed=True),  # rhs [E, N, K]
                     grouped_matmul_in_tiles(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), block_m=32)):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
             assert not np.asarray(got)[rows - past :].any()  # the rows past every group
@@ -58,6 +61,38 @@ def test_lowers_to_triton_for_the_h200(tokens):
     with jax.sharding.use_abstract_mesh(H200):
         text = jax.jit(grouped_matmul).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "grouped_matmul_m" in text
+
+
+@pytest.mark.gpu
+def test_compiled_on_the_gpu_reads_a_tied_lm_head_as_held():
+    """Batch invariance's logits at Qwen3-0.6B's tied head: the embedding [vocab, hidden] as it is
+    held, 64-row tiles, fp32 out, against XLA's product."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    model = shape("qwen3-0.6b")
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((100, model.hidden_size)), jnp.bfloat16)
+    embed = jnp.asarray(0.02 * rng.standard_normal((model.vocab_size, model.hidden_size)), jnp.bfloat16)
+    got = jax.jit(functools.partial(grouped_matmul, block_m=GROUPED_TILE_ROWS, rhs_transposed=True, out_dtype=jnp.float32))(
+        x, embed[None], jnp.asarray([100], jnp.int32))
+    want = jnp.dot(x, embed.T, preferred_element_type=jnp.float32, precision="highest")
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, k, n", [(1, 4096, 6144), (100, 14336, 4096), (256, 1024, 4096)])
+def test_compiled_on_the_gpu_in_fixed_tiles_of_narrow_columns(rows, k, n):
+    """Batch invariance's projections (`row_tiles.fixed_tile_matmul`: 64-row tiles, `column_block`'s
+    16 to 64 columns) at Llama-3-8B's and Qwen3-0.6B's shapes, against XLA's product."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(0.02 * rng.standard_normal((k, n)), jnp.bfloat16)
+    got = jax.jit(lambda x, w: fixed_tile_matmul(None, x, w, interpret=False))(x, w)
+    want = jnp.dot(x, w, preferred_element_type=jnp.float32, precision="highest")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,8 @@ from pallas_kernels import (
 from pallas_kernels.ragged_paged_attention import decode_config
 
 NUM_SMS = 132  # an H200's
-ENTRIES = {"ragged": ragged_paged_attention, "decode": functools.partial(ragged_paged_attention_decode, num_sms=NUM_SMS)}
+ENTRIES = {"ragged": ragged_paged_attention, "decode": functools.partial(ragged_paged_attention_decode, num_sms=NUM_SMS),
+           "invariant": functools.partial(ragged_paged_attention, batch_invariant=True)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -102,8 +103,9 @@ def test_random_ragged_batches(case):
     dtype, head_dim, block_size, num_kv_heads, group, window, cap = case
     kw = _shape_kwargs(dtype, head_dim, block_size, num_kv_heads, group)
     index = CASES.index(case)
-    # The decode entry runs the same kernel with another tiling: half the cases are enough for it.
-    entries = ("ragged", "decode") if index in DECODE_CASES else ("ragged",)
+    # The decode and batch-invariant entries run the same kernel with other tilings: half the cases
+    # each are enough for them.
+    entries = ("ragged", "decode") if index in DECODE_CASES else ("ragged", "invariant")
     for i in range(2):
         batch = make_batch(100 * index + i, fill=i == 1,
                            q_scale=1.0 if cap is None else 4.0, **kw)  # large logits: the cap bites
@@ -130,6 +132,15 @@ def test_split_kv():
     for seed in (41, 42):
         batch = make_batch(seed, **kw)
         _run_and_check(batch, jnp.float32, entries=("decode",), sm_scale=0.125, config=config)
+
+
+def test_batch_invariant_tiling_is_the_decode_kernels_rows_without_splits():
+    """Batch-invariant steps run every batch with one tiling: 16 rows a tile (a decode's rows are
+    one per query head, as in the decode kernel) and no KV split, whatever the batch's size."""
+    kw = _shape_kwargs(jnp.bfloat16, 128, 16, 2, 2)
+    batch = make_batch(7, **kw)
+    entry = functools.partial(ragged_paged_attention, sm_scale=0.1, interpret=True, batch_invariant=True)
+    assert "ragged_paged_attention_q8_k64_s1" in str(jax.make_jaxpr(entry)(*batch.args))
 
 
 def test_decode_tiling_splits_small_batches():

@@ -85,7 +85,8 @@ class PagedAttention:
                 attention = functools.partial(ragged_paged_attention_decode, num_sms=kernels.num_sms, **options,
                                               queries_per_seq=self.queries_per_seq, interpret=kernels.interpret)
             else:
-                attention = functools.partial(ragged_paged_attention, **options, interpret=kernels.interpret)
+                attention = functools.partial(ragged_paged_attention, **options, interpret=kernels.interpret,
+                                              batch_invariant=kernels.batch_invariant)
         out = attention(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs)
         if v_scale != 1.0:
             out = (out * v_scale).astype(q.dtype)

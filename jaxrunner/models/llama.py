@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.moe import GroupedMatmul, moe_mlp
 from jaxrunner.models.quantization import Matmul, Quantized, matmul
-from jaxrunner.models.row_tiles import row_tiled, summed_in_order
+from jaxrunner.models.row_tiles import summed_in_order
 from jaxrunner.models.tensors import MODEL_AXIS, ROWS, Tensor, layer_tensors, model_tensors, top_tensors
 
 Params = dict
@@ -279,12 +279,20 @@ def row_parallel_in_order(matmul: Matmul, x: jax.Array, w: jax.Array | Quantized
                          check_vma=False)(x, *(leaves[i] for i in held))
 
 
-def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array, row_tiles: bool = False) -> jax.Array:
-    """fp32 logits [N, padded_vocab_size] for the given final hidden states (`row_tiles`: a tile of
-    rows at a time, batch-invariant: `models.row_tiles`)."""
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
-    logits = row_tiled(dot, hidden, head) if row_tiles else dot(hidden, head)
+HeadMatmul = Callable[[jax.Array, jax.Array, bool], jax.Array]  # (x [N, H], head, transposed) -> fp32 [N, V]
+
+
+def head_product(x: jax.Array, head: jax.Array, transposed: bool) -> jax.Array:
+    """x [N, H] times the LM head [H, V], or [V, H] when `transposed` (a tied head is the embedding
+    as it is held): fp32 [N, V]."""
+    return jnp.dot(x, head.T if transposed else head, preferred_element_type=jnp.float32)
+
+
+def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array, product: HeadMatmul = head_product) -> jax.Array:
+    """fp32 logits [N, padded_vocab_size] for the given final hidden states; `product` runs the head
+    (batch-invariant, in fixed tiles: `step.logits_matmul`)."""
+    tied = cfg.tie_word_embeddings
+    logits = product(hidden, params["embed"] if tied else params["lm_head"], tied)
     if cfg.final_soft_cap is not None:
         logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
     return logits

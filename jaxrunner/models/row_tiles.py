@@ -16,11 +16,13 @@ product reads the whole weight, so on a GPU the projections run a kernel's fixed
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import next_pow2
 from pallas_kernels.grouped_matmul import grouped_matmul, supported
 
 TILE_ROWS = 8
@@ -44,17 +46,29 @@ def row_tiled(f: Callable, rows, *whole):
     return jax.tree.map(lambda a: a.reshape(count * TILE_ROWS, *a.shape[2:])[:m], out)
 
 
-def fixed_tile_matmul(matmul: Callable, x: jax.Array, w, *, interpret: bool) -> jax.Array:
-    """x [M, K] @ w [K, N] with each row's bits its own, for a GPU: the Pallas grouped matmul with
-    one group, in tiles of GROUPED_TILE_ROWS rows over the whole of K, so a row's sums have one
-    order whatever M is, and the weight is read once per tile, where `row_tiled` reads it once per
-    TILE_ROWS rows in a loop. Weights it does not take (quantized, a shape it does not support, or
-    split over devices: the partitioner cannot split a kernel) go through `row_tiled(matmul, ...)`."""
+def fixed_tile_matmul(matmul: Callable, x: jax.Array, w, *, interpret: bool, transposed: bool = False,
+                      out_dtype=None) -> jax.Array:
+    """x [M, K] @ w [K, N] (w [N, K] when `transposed`) with each row's bits its own, for a GPU: the
+    Pallas grouped matmul with one group, in tiles of GROUPED_TILE_ROWS rows over the whole of K, so
+    a row's sums have one order whatever M is, and the weight is read once per tile, where
+    `row_tiled` reads it once per TILE_ROWS rows in a loop. Weights it does not take (quantized, a
+    shape it does not support, or split over devices: the partitioner cannot split a kernel) go
+    through `row_tiled(matmul, ...)`; `matmul(x, w)` must give `out_dtype` (default x's)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if isinstance(w, jax.Array) and supported(*w.shape) and (mesh.empty or mesh.size == 1):
-        rows = jnp.full((1,), x.shape[0], jnp.int32)
-        return grouped_matmul(x, w[None], rows, interpret=interpret, block_m=GROUPED_TILE_ROWS)
+    if isinstance(w, jax.Array) and (mesh.empty or mesh.size == 1):
+        k, n = w.shape[::-1] if transposed else w.shape
+        if supported(k, n):
+            rows = jnp.full((1,), x.shape[0], jnp.int32)
+            return grouped_matmul(x, w[None], rows, interpret=interpret, block_m=GROUPED_TILE_ROWS,
+                                  block_n=column_block(n), rhs_transposed=transposed, out_dtype=out_dtype)
     return row_tiled(matmul, x, w)
+
+
+def column_block(n: int) -> int:
+    """Columns per program of `fixed_tile_matmul`: up to 128, fewer for a narrow weight, so that one
+    tile of rows (a decode) still has some 256 programs to stream the weight with. It follows the
+    weight's shape only, never the batch's, so a row's bits stay its own."""
+    return math.gcd(n, max(16, min(128, next_pow2(n // 512))))
 
 
 def per_row(f: Callable, rows, tiled: bool):

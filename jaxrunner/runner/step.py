@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrunner.config import Kernels, ModelConfig
 from jaxrunner.models import quantization
 from jaxrunner.models.attention import AttentionMetadata, paged_attend
-from jaxrunner.models.llama import MODEL_AXIS, Params, compute_logits, forward, slot_mask
+from jaxrunner.models.llama import MODEL_AXIS, HeadMatmul, Params, compute_logits, forward, head_product, slot_mask
 from jaxrunner.models.moe import GroupedMatmul
 from jaxrunner.models.quantization import Matmul
 from jaxrunner.models.row_tiles import GROUPED_TILE_ROWS, fixed_tile_matmul, per_row, row_tiled
@@ -75,14 +75,14 @@ class SampleInputs:
     num_drafts: jax.Array  # i32 [B]
 
 
-def full_logits(params: Params, model: ModelConfig, hidden: jax.Array, row_tiles: bool = False) -> jax.Array:
+def full_logits(params: Params, model: ModelConfig, hidden: jax.Array, product: HeadMatmul = head_product) -> jax.Array:
     """fp32 logits [N, vocab_size] of the hidden states, whole on every device. Under tensor
     parallelism each device computes its slice of the vocabulary (the LM head is split by it), then
     the slices are gathered, so the sampler works on full rows and the head's weight never moves;
     the padded vocabulary's extra columns are then cut off, so no token that does not exist is
-    sampled, ranked or returned. `row_tiles`: batch-invariant (`models.row_tiles`)."""
+    sampled, ranked or returned. `product`: the head's (`logits_matmul`)."""
     with jax.default_matmul_precision(matmul_precision(params)):
-        logits = compute_logits(params, model, hidden, row_tiles)
+        logits = compute_logits(params, model, hidden, product)
     if not jax.sharding.get_abstract_mesh().empty:
         logits = jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(logits, P(None, MODEL_AXIS)), P())
     return logits[:, : model.vocab_size]
@@ -162,6 +162,24 @@ def projection_matmul(kernels: Kernels) -> Matmul:
     return functools.partial(row_tiled, product)
 
 
+@functools.cache
+def logits_matmul(kernels: Kernels) -> HeadMatmul:
+    """The LM head's product. Batch-invariant, in fixed tiles of the grouped matmul kernel with the
+    Pallas kernels (the head, the largest weight, read once per 64 rows), else a loop of row tiles
+    (`row_tiles`). Cached, as `moe_matmul`."""
+    if not kernels.batch_invariant:
+        return head_product
+
+    def tiled(x: jax.Array, head: jax.Array, transposed: bool) -> jax.Array:
+        product = functools.partial(head_product, transposed=transposed)
+        if kernels.pallas:
+            return fixed_tile_matmul(product, x, head, interpret=kernels.interpret, transposed=transposed,
+                                     out_dtype=jnp.float32)
+        return row_tiled(product, x, head)
+
+    return tiled
+
+
 def backbone(
     params: Params, model: ModelConfig, kv: tuple, state: RunnerState, inp: TokenInputs, ids: jax.Array,
     kernels: Kernels, uniform_decode: bool, queries_per_seq: int, kv_scales: tuple[float, float], lora: tuple = (),
@@ -219,7 +237,7 @@ def sample_step(
     params: Params, state: RunnerState, last_hidden: jax.Array, samples: SampleInputs, *, model: ModelConfig,
     kernels: Kernels, flags: SamplerFlags,
 ) -> tuple[SamplerOutput, RunnerState]:
-    logits = full_logits(params, model, last_hidden[: samples.commit_rows.shape[0], 0], kernels.batch_invariant)
+    logits = full_logits(params, model, last_hidden[: samples.commit_rows.shape[0], 0], logits_matmul(kernels))
     if flags.penalties or flags.bad_words:
         history = state.token_ids[samples.history_rows]
     else:
@@ -296,7 +314,9 @@ def decode_loop(
 
 
 def prompt_logprobs_step(
-    params: Params, hidden: jax.Array, rows: jax.Array, targets: jax.Array, *, model: ModelConfig, num_top: int, as_logits: bool
+    params: Params, hidden: jax.Array, rows: jax.Array, targets: jax.Array, *, model: ModelConfig, kernels: Kernels,
+    num_top: int, as_logits: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Logprobs of `targets` (and the top `num_top`) from the logits at hidden[rows]; raw logits, as vLLM."""
-    return compute_logprobs(full_logits(params, model, hidden[rows]), targets, num_top, as_logits)
+    logits = full_logits(params, model, hidden[rows], logits_matmul(kernels))
+    return per_row(lambda r: compute_logprobs(r[0], r[1], num_top, as_logits), (logits, targets), kernels.batch_invariant)

@@ -14,7 +14,7 @@ from jaxrunner.config import Kernels, ModelConfig, SpeculativeConfig
 from jaxrunner.models.llama import Params
 from jaxrunner.models.row_tiles import per_row
 from jaxrunner.runner.state import RunnerState
-from jaxrunner.runner.step import SampleInputs, full_logits
+from jaxrunner.runner.step import SampleInputs, full_logits, logits_matmul
 from jaxrunner.sampling import NO_LOGPROBS, SamplerFlags, SamplerOutput, compute_logprobs, process_logits
 from jaxrunner.spec_decode.propose import propose
 from jaxrunner.spec_decode.rejection import verify_drafts
@@ -39,7 +39,7 @@ def spec_sample_step(
     b, k = samples.commit_rows.shape[0], spec.num_speculative_tokens
     k1, num_rows = 1 + k, state.token_ids.shape[0]
     tiled = kernels.batch_invariant
-    logits = full_logits(params, model, last_hidden[:b].reshape(b * k1, -1), tiled).astype(jnp.float32)
+    logits = full_logits(params, model, last_hidden[:b].reshape(b * k1, -1), logits_matmul(kernels)).astype(jnp.float32)
     slots = jnp.minimum(samples.history_rows, num_rows - 1)
     base = jnp.where(samples.relative, state.lens[slots] + samples.sampling.positions, samples.sampling.positions)
     positions = base[:, None] + jnp.arange(k1)[None, :]  # [B, 1 + k]
