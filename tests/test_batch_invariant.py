@@ -295,3 +295,36 @@ def test_the_mode_tiles_the_rows(alone):
                                       samples=ctx.samples(4, flags), flags=flags)
     for text in (runner.compile_forward(16).as_text(), runner.programs.executable(sampler).as_text()):
         assert re.search(r"\bwhile\(", text)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_each_part_of_a_step_keeps_a_rows_bits():
+    """On the GPU, at Qwen3-0.6B's shapes in bf16: each part a batch-invariant step runs gives row
+    0 the same bits alone and among 6, 16, 300 and 2048 rows (XLA's reductions and fusions are
+    chosen by the shapes). Lists every part that does not."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from jaxrunner.models.llama import rms_norm
+    from jaxrunner.models.row_tiles import per_row
+
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((2048, 1024)), jnp.bfloat16)
+    w = jnp.asarray(0.03 * rng.standard_normal((1024, 4096)), jnp.bfloat16)
+    embed = jnp.asarray(0.03 * rng.standard_normal((151936, 1024)), jnp.bfloat16)
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal(1024), jnp.bfloat16)
+    kernels = Kernels.choose("auto", batch_invariant=True)
+    parts = {
+        "rms_norm": lambda x: rms_norm(x, norm, 1e-6),
+        "qk_norm": lambda x: rms_norm(x.reshape(-1, 8, 128), norm[:128], 1e-6).reshape(x.shape[0], -1),
+        "projection": lambda x: projection_matmul(kernels)(x, w),
+        "logits": lambda x: logits_matmul(kernels)(x, embed, True),
+        "log_softmax_in_row_tiles": lambda x: per_row(lambda r: jax.nn.log_softmax(r.astype(jnp.float32), axis=-1), x, True),
+    }
+    broken = []
+    for name, f in parts.items():
+        f = jax.jit(f)
+        alone = np.asarray(f(x[:1]))[0]
+        for n in (6, 16, 300, 2048):
+            if not np.array_equal(np.asarray(f(x[:n]))[0], alone):
+                broken.append((name, n))
+    assert not broken
