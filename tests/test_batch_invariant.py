@@ -24,7 +24,8 @@ from jaxrunner.bench.throughput import random_adapter
 from jaxrunner.lora_request import LoRARequest
 from jaxrunner.models.moe import moe_mlp
 from jaxrunner.models.quantization import matmul, quantize
-from jaxrunner.models.row_tiles import fixed_tile_matmul, row_tiled
+from jaxrunner.models.llama import rms_norm
+from jaxrunner.models.row_tiles import fixed_tile_matmul, per_row, row_tiled, tree_sum
 from jaxrunner.runner.programs import SAMPLE
 from jaxrunner.runner.step import logits_matmul, moe_matmul, projection_matmul
 from pallas_kernels.ragged_paged_attention import decode_config
@@ -228,6 +229,22 @@ def test_the_moe_mlp_gives_each_token_its_own_bits():
         moe_mlp(x, router, gate_up, down, jax.nn.silu, cfg, batch_invariant=True)  # ragged_dot's follow the batch
 
 
+def test_the_norms_give_each_row_its_own_bits():
+    """RMSNorm over Qwen3's 16 query heads of 128 (`llama.rms_norm`, `ordered` as the mode runs it):
+    each row the same bits in 16, 64 and 256 tokens. XLA:CPU's reduction moves a row's low bits
+    between those sizes; the fixed tree of adds (`row_tiles.tree_sum`) does not."""
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((256, 16, 128)), jnp.bfloat16)
+    weight = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.bfloat16)
+    norm = jax.jit(lambda x: rms_norm(x, weight, 1e-6, ordered=True))
+    whole = np.asarray(norm(x))
+    for n in (16, 64):
+        np.testing.assert_array_equal(np.asarray(norm(x[:n])), whole[:n])
+    np.testing.assert_allclose(np.asarray(whole, np.float32), np.asarray(rms_norm(x, weight, 1e-6), np.float32),
+                               rtol=1e-2, atol=1e-2)  # the same function: bf16's rounding apart
+    assert np.asarray(tree_sum(jnp.arange(1.0, 577.0))) == 576 * 577 / 2  # a width that is no power of two
+
+
 def test_the_fixed_tile_matmul_gives_each_row_its_own_bits():
     """A GPU's batch-invariant projection (`row_tiles.fixed_tile_matmul`, interpreted here): each
     row the same bits alone and in 2, 5 or 100 rows (two tiles), and the product x @ w; a quantized
@@ -304,9 +321,6 @@ def test_on_the_gpu_each_part_of_a_step_keeps_a_rows_bits():
     chosen by the shapes). Lists every part that does not."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    from jaxrunner.models.llama import rms_norm
-    from jaxrunner.models.row_tiles import per_row
-
     rng = np.random.default_rng(8)
     x = jnp.asarray(rng.standard_normal((2048, 1024)), jnp.bfloat16)
     w = jnp.asarray(0.03 * rng.standard_normal((1024, 4096)), jnp.bfloat16)
@@ -314,8 +328,8 @@ def test_on_the_gpu_each_part_of_a_step_keeps_a_rows_bits():
     norm = jnp.asarray(1 + 0.1 * rng.standard_normal(1024), jnp.bfloat16)
     kernels = Kernels.choose("auto", batch_invariant=True)
     parts = {
-        "rms_norm": lambda x: rms_norm(x, norm, 1e-6),
-        "qk_norm": lambda x: rms_norm(x.reshape(-1, 8, 128), norm[:128], 1e-6).reshape(x.shape[0], -1),
+        "rms_norm": lambda x: rms_norm(x, norm, 1e-6, ordered=True),
+        "qk_norm": lambda x: rms_norm(x.reshape(-1, 8, 128), norm[:128], 1e-6, ordered=True).reshape(x.shape[0], -1),
         "projection": lambda x: projection_matmul(kernels)(x, w),
         "logits": lambda x: logits_matmul(kernels)(x, embed, True),
         "log_softmax_in_row_tiles": lambda x: per_row(lambda r: jax.nn.log_softmax(r.astype(jnp.float32), axis=-1), x, True),

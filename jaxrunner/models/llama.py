@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.moe import GroupedMatmul, moe_mlp
 from jaxrunner.models.quantization import Matmul, Quantized, matmul
-from jaxrunner.models.row_tiles import summed_in_order
+from jaxrunner.models.row_tiles import summed_in_order, tree_sum
 from jaxrunner.models.tensors import MODEL_AXIS, ROWS, Tensor, layer_tensors, model_tensors, top_tensors
 
 Params = dict
@@ -100,11 +100,16 @@ def quantize_params(cfg: ModelConfig, params: Params) -> Params:
     return jax.tree.map(lambda t, w: t.storage.store(w, w.dtype), model_tensors(cfg), params)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False, ordered: bool = False) -> jax.Array:
     """Llama's RMSNorm (the normalised x cast back, then scaled), or Gemma's (scaled by 1 + weight
-    in float32, then cast): the order of the cast is each family's own, which bf16 parity needs."""
+    in float32, then cast): the order of the cast is each family's own, which bf16 parity needs.
+    `ordered`: the squares summed in a fixed order (`row_tiles.tree_sum`), batch-invariant."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if ordered:
+        mean = (tree_sum(xf * xf) / xf.shape[-1])[..., None]
+    else:
+        mean = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    xf = xf * jax.lax.rsqrt(mean + eps)
     if gemma:
         return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
@@ -180,7 +185,8 @@ def forward(
     that the MoE MLP routes to no expert; `grouped_matmul`: its experts' matmul (`models.moe`);
     `matmul`: the projections' (`quantization.matmul`, with or without its GPU kernel);
     `batch_invariant`: the mode whose `matmul` runs tile by tile (`RunnerConfig.batch_invariant`);
-    the rest of each token's bits are then made its own too: under tensor parallelism the
+    the rest of each token's bits are then made its own too: the norms sum their squares in a
+    fixed order (`row_tiles.tree_sum`), under tensor parallelism the
     row-parallel projections add their devices' partial sums in a fixed order
     (`row_parallel_in_order`), and an MoE MLP keeps each token's bits its own (`moe.moe_mlp`).
 
@@ -205,7 +211,7 @@ def forward(
         x, new_kv[member] = decoder_layer(p, adapters, x, positions, new_kv[member], attend[group], lora_mask, valid,
                                           cfg=cfg, window=cfg.layer_window(i), grouped_matmul=grouped_matmul,
                                           matmul=matmul, batch_invariant=batch_invariant)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.gemma), tuple(new_kv)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.gemma, batch_invariant), tuple(new_kv)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "window", "grouped_matmul", "matmul", "batch_invariant"))
@@ -228,7 +234,7 @@ def decoder_layer(p: dict, lora: dict, x: jax.Array, positions: jax.Array, kv: t
         return out + lora_delta(h, lora[name], lora_mask, matmul) if lora else out
 
     def norm(h: jax.Array, name: str) -> jax.Array:
-        return rms_norm(h, p[name], cfg.rms_norm_eps, cfg.gemma)
+        return rms_norm(h, p[name], cfg.rms_norm_eps, cfg.gemma, batch_invariant)
 
     t, s = x.shape[0], cfg.shards
     d = cfg.head_dim

@@ -76,6 +76,19 @@ def per_row(f: Callable, rows, tiled: bool):
     return row_tiled(f, rows) if tiled else f(rows)
 
 
+def tree_sum(x: jax.Array) -> jax.Array:
+    """The sum over x's last axis as a fixed tree of elementwise adds (zero-padded to a power of two,
+    then halves added pairwise): each row's order of additions follows the row's length only, where
+    a reduction's order is chosen by the whole array's shape (on the CPU a row of a [T, 16, 128]
+    RMSNorm changes with T)."""
+    width = next_pow2(x.shape[-1])
+    x = jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - x.shape[-1]),))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
 def summed_in_order(partial: jax.Array, axis: str) -> jax.Array:
     """The sum of every device's `partial` over the mesh axis `axis` (inside a `shard_map`), added in
     device order: an all-reduce adds in the order its algorithm takes, and NCCL picks the algorithm
