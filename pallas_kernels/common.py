@@ -27,3 +27,16 @@ def combine_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
     den = w.sum(axis=0)
     num = jnp.einsum("sthd,sth->thd", out, w, precision=jax.lax.Precision.HIGHEST)
     return num / jnp.where(den == 0.0, 1.0, den)[..., None]
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+    """The sum over x's last axis as a fixed tree of elementwise adds (zero-padded to a power of two,
+    then halves added pairwise): each row's order of additions follows the row's length only, where
+    a reduction's order is chosen by the whole array's shape (on the CPU a row of a [T, 16, 128]
+    RMSNorm changes with T)."""
+    width = next_pow2(x.shape[-1])
+    x = jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - x.shape[-1]),))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]

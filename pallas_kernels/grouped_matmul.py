@@ -53,24 +53,26 @@ def plan_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret: bool = False,
-                   block_m: int = 0, block_n: int = 0, rhs_transposed: bool = False, out_dtype=None) -> jax.Array:
+                   block_m: int = 0, block_n: int = 0, block_k: int = 0, rhs_transposed: bool = False,
+                   out_dtype=None) -> jax.Array:
     """[M, N] in `out_dtype` (default lhs's) for lhs [M, K], rhs [E, K, N] ([E, N, K] when
     `rhs_transposed`: a tied LM head is the embedding [vocab, hidden] as it is held), group_sizes
     [E] (as `ragged_dot`), in tiles of `block_m` rows (0: `block_rows`) by `block_n` columns (0: up
-    to 128)."""
+    to 128), K `block_k` at a time (0: up to 64)."""
     num_rows, k = lhs.shape
     num_groups, k_rhs, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if rhs_transposed else rhs.shape
     if k_rhs != k or not supported(k, n):
         raise ValueError(f"grouped_matmul cannot run lhs {lhs.shape} by rhs {rhs.shape}: it needs K and N in "
                          "multiples of 16")
-    for name, size in (("block_m", block_m), ("block_n", block_n)):
+    for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if size and (size < 16 or size != next_pow2(size)):
-            raise ValueError(f"grouped_matmul takes tiles of a power of two rows and columns, 16 or more, got {name}={size}")
-    if block_n and n % block_n:
-        raise ValueError(f"grouped_matmul's block_n={block_n} does not divide N={n}")
+            raise ValueError(f"grouped_matmul takes tiles of a power of two, 16 or more, a side, got {name}={size}")
+    for name, size, whole in (("block_n", block_n, n), ("block_k", block_k, k)):
+        if size and whole % size:
+            raise ValueError(f"grouped_matmul's {name}={size} does not divide {whole}")
     block_m = block_m or block_rows(num_rows, num_groups)
     plan = plan_tiles(group_sizes, num_rows, block_m)
-    block_n, block_k = block_n or math.gcd(n, 128), math.gcd(k, 64)
+    block_n, block_k = block_n or math.gcd(n, 128), block_k or math.gcd(k, 64)
     out = pl.pallas_call(
         functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, rhs_transposed=rhs_transposed),
         grid=(plan.shape[0], n // block_n),

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention_kernel import AttentionSpec, KernelConfig, paged_attention_call
-from pallas_kernels.common import FP8, cdiv, combine_splits, next_pow2
+from pallas_kernels.common import FP8, cdiv, combine_splits, next_pow2, tree_sum
 
 MIN_SPLIT_KEYS = 512  # a flash-decoding split covers at least this many keys...
 SHORT_SPLIT_KEYS = 128  # ...or, for a batch with fewer (sequence, KV head) pairs than SMs, this many
@@ -205,7 +205,7 @@ def _work_list(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q:
 REFERENCE_CHUNK_KEYS = 128  # keys per round of the reference's loop
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "batch_invariant"))
 def reference_ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -218,12 +218,15 @@ def reference_ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array:
     """Pure-jnp ragged paged attention in fp32: each token's keys gathered a chunk of pages at a time,
     with an online softmax, for as many chunks as the longest context needs (a loop bound read at run
     time), so a step costs what its contexts hold, not what max_model_len allows. With a sliding
     window the loop starts at the first chunk any query sees: the pages before it may have been
-    given back to the pool (`block_manager`) and hold another request's keys."""
+    given back to the pool (`block_manager`) and hold another request's keys. `batch_invariant`:
+    the softmax's sums in a fixed order (`common.tree_sum`): XLA:CPU's order follows the tokens'
+    count."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_slots, max_blocks = block_tables.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -265,7 +268,7 @@ def reference_ragged_paged_attention(
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp(s - shift[..., None])
         scale = jnp.exp(m - shift)
-        den = den * scale + p.sum(axis=-1)
+        den = den * scale + (tree_sum(p) if batch_invariant else p.sum(axis=-1))
         acc = acc * scale[..., None] + jnp.einsum("tkgl,tlkd->tkgd", p, v, precision=hi)
         return m_new, den, acc
 

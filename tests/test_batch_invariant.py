@@ -25,10 +25,11 @@ from jaxrunner.lora_request import LoRARequest
 from jaxrunner.models.moe import moe_mlp
 from jaxrunner.models.quantization import matmul, quantize
 from jaxrunner.models.llama import rms_norm
-from jaxrunner.models.row_tiles import fixed_tile_matmul, per_row, row_tiled, tree_sum
+from jaxrunner.models.row_tiles import fixed_tile_matmul, per_row, row_tiled
 from jaxrunner.runner.programs import SAMPLE
 from jaxrunner.runner.step import logits_matmul, moe_matmul, projection_matmul
-from pallas_kernels.ragged_paged_attention import decode_config
+from pallas_kernels.common import tree_sum
+from pallas_kernels.ragged_paged_attention import decode_config, reference_ragged_paged_attention
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 576,
           "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -213,6 +214,7 @@ def test_the_moe_mlp_gives_each_token_its_own_bits():
     grouped = moe_matmul(Kernels.choose("reference", batch_invariant=True), cfg)
 
     @jax.jit
+    @jax.default_matmul_precision("highest")  # a float32 model's, as the runner sets it (a GPU's default is TF32)
     def mlp(x: jax.Array, valid: jax.Array) -> jax.Array:
         return moe_mlp(x, router, gate_up, down, jax.nn.silu, cfg, valid, grouped, batch_invariant=True)
 
@@ -223,7 +225,8 @@ def test_the_moe_mlp_gives_each_token_its_own_bits():
         kept = [j for j, i in enumerate(rows) if i < real]
         np.testing.assert_array_equal(out[[rows[j] for j in kept]], alone[kept])
         assert not out[real:].any()  # padding goes to no expert
-    default = np.asarray(moe_mlp(x[:5], router, gate_up, down, jax.nn.silu, cfg))
+    with jax.default_matmul_precision("highest"):
+        default = np.asarray(moe_mlp(x[:5], router, gate_up, down, jax.nn.silu, cfg))
     np.testing.assert_allclose(alone[:5], default, rtol=1e-5, atol=1e-5 * np.abs(default).max())  # one function
     with pytest.raises(ValueError, match="fixed tiles"):
         moe_mlp(x, router, gate_up, down, jax.nn.silu, cfg, batch_invariant=True)  # ragged_dot's follow the batch
@@ -232,7 +235,7 @@ def test_the_moe_mlp_gives_each_token_its_own_bits():
 def test_the_norms_give_each_row_its_own_bits():
     """RMSNorm over Qwen3's 16 query heads of 128 (`llama.rms_norm`, `ordered` as the mode runs it):
     each row the same bits in 16, 64 and 256 tokens. XLA:CPU's reduction moves a row's low bits
-    between those sizes; the fixed tree of adds (`row_tiles.tree_sum`) does not."""
+    between those sizes; the fixed tree of adds (`common.tree_sum`) does not."""
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.standard_normal((256, 16, 128)), jnp.bfloat16)
     weight = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.bfloat16)
@@ -245,13 +248,31 @@ def test_the_norms_give_each_row_its_own_bits():
     assert np.asarray(tree_sum(jnp.arange(1.0, 577.0))) == 576 * 577 / 2  # a width that is no power of two
 
 
+@pytest.mark.parametrize("seed", [2, 3, 5])
+def test_the_reference_attention_gives_each_row_its_own_bits(seed):
+    """The reference attention as the mode runs it (its softmax's sums in `common.tree_sum`'s
+    order): 44 queries of a 300-token context, Qwen3-0.6B's 8 KV heads of 2 query heads, the same
+    bits in 64 and 256 tokens. XLA:CPU's own sum moved them on these seeds' pages."""
+    rng = np.random.default_rng(seed)
+    kc, vc = (jnp.asarray(rng.standard_normal((40, 16, 8, 128)), jnp.bfloat16) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((64, 16, 128)), jnp.bfloat16)
+    table = jnp.asarray(np.arange(40)[None].repeat(8, 0), jnp.int32)
+    qsl, lens = jnp.asarray([0] + [44] * 8, jnp.int32), jnp.asarray([300] + [0] * 7, jnp.int32)
+
+    def attend(q: jax.Array) -> np.ndarray:
+        return np.asarray(reference_ragged_paged_attention(q, kc, vc, qsl, lens, table, jnp.int32(1), sm_scale=0.088,
+                                                           batch_invariant=True))[:44]
+
+    np.testing.assert_array_equal(attend(jnp.pad(q, ((0, 192), (0, 0), (0, 0)))), attend(q))
+
+
 def test_the_fixed_tile_matmul_gives_each_row_its_own_bits():
     """A GPU's batch-invariant projection (`row_tiles.fixed_tile_matmul`, interpreted here): each
-    row the same bits alone and in 2, 5 or 100 rows (two tiles), and the product x @ w; a quantized
-    weight takes the row tiles."""
+    row the same bits alone and in 2, 5 or 100 rows (two tiles), and the product x @ w, in narrow
+    column blocks that step through K in deeper slices; a quantized weight takes the row tiles."""
     rng = np.random.default_rng(5)
-    x = jnp.asarray(rng.standard_normal((100, 64)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((64, 48)) * 0.1, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((100, 512)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((512, 48)) * 0.1, jnp.float32)  # 16 columns and 128 of K a step
     product = jax.jit(lambda x, w: fixed_tile_matmul(matmul, x, w, interpret=True))
     rows = [0, 1, 2, 3, 4, 70, 99]  # the last two in the second tile of 64
     alone = np.stack([np.asarray(product(x[i : i + 1], w))[0] for i in rows])
@@ -260,6 +281,7 @@ def test_the_fixed_tile_matmul_gives_each_row_its_own_bits():
         np.testing.assert_array_equal(np.asarray(product(x[:n], w))[[rows[j] for j in kept]], alone[kept])
     with jax.default_matmul_precision("highest"):
         np.testing.assert_allclose(np.asarray(product(x, w)), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
+    assert "grouped_matmul_m64_n16_k128" in str(jax.make_jaxpr(product)(x, w))  # float32: half the bf16 depth
     held = quantize(w, "int8")
     np.testing.assert_array_equal(np.asarray(product(x[:5], held)), np.asarray(row_tiled(matmul, x[:5], held)))
 
@@ -304,14 +326,15 @@ def test_a_moe_models_request_gives_the_same_bits_in_any_batch(tmp_path, tp):
 
 
 def test_the_mode_tiles_the_rows(alone):
-    """Its programs run their row-sized products one tile at a time (a loop in the compiled
-    forward pass and sampler)."""
+    """Its programs run their row-sized products one tile at a time: a loop in the compiled sampler,
+    and in the forward pass a loop, or on a GPU the grouped matmul kernel's fixed tiles."""
     runner = alone[1]
     ctx, flags = runner.ctx, runner.ctx.sampler_variants[0]
     sampler = runner.programs.program(SAMPLE, params=ctx.params, state=ctx.state, last_hidden=ctx.last_hidden(),
                                       samples=ctx.samples(4, flags), flags=flags)
-    for text in (runner.compile_forward(16).as_text(), runner.programs.executable(sampler).as_text()):
-        assert re.search(r"\bwhile\(", text)
+    tiles = r"grouped_matmul_m64" if ctx.kernels.pallas and not ctx.kernels.interpret else r"\bwhile\("
+    assert re.search(tiles, runner.compile_forward(16).as_text())
+    assert re.search(r"\bwhile\(", runner.programs.executable(sampler).as_text())
 
 
 @pytest.mark.gpu

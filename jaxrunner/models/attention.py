@@ -78,7 +78,8 @@ class PagedAttention:
         options = dict(sm_scale=self.sm_scale * k_scale, sliding_window=window, soft_cap=self.soft_cap)
         if not kernels.pallas:
             k_cache, v_cache = write_kv(*kv, k, v, md.slot_mapping, impl="xla")
-            attention = functools.partial(reference_ragged_paged_attention, **options)
+            attention = functools.partial(reference_ragged_paged_attention, **options,
+                                          batch_invariant=kernels.batch_invariant)
         else:
             k_cache, v_cache = write_kv(*kv, k, v, md.slot_mapping, interpret=kernels.interpret)
             if self.uniform_decode:

@@ -28,8 +28,9 @@ from jax.sharding import PartitionSpec as P
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.moe import GroupedMatmul, moe_mlp
 from jaxrunner.models.quantization import Matmul, Quantized, matmul
-from jaxrunner.models.row_tiles import summed_in_order, tree_sum
+from jaxrunner.models.row_tiles import summed_in_order
 from jaxrunner.models.tensors import MODEL_AXIS, ROWS, Tensor, layer_tensors, model_tensors, top_tensors
+from pallas_kernels.common import tree_sum
 
 Params = dict
 
@@ -103,7 +104,7 @@ def quantize_params(cfg: ModelConfig, params: Params) -> Params:
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False, ordered: bool = False) -> jax.Array:
     """Llama's RMSNorm (the normalised x cast back, then scaled), or Gemma's (scaled by 1 + weight
     in float32, then cast): the order of the cast is each family's own, which bf16 parity needs.
-    `ordered`: the squares summed in a fixed order (`row_tiles.tree_sum`), batch-invariant."""
+    `ordered`: the squares summed in a fixed order (`common.tree_sum`), batch-invariant."""
     xf = x.astype(jnp.float32)
     if ordered:
         mean = (tree_sum(xf * xf) / xf.shape[-1])[..., None]
@@ -186,7 +187,7 @@ def forward(
     `matmul`: the projections' (`quantization.matmul`, with or without its GPU kernel);
     `batch_invariant`: the mode whose `matmul` runs tile by tile (`RunnerConfig.batch_invariant`);
     the rest of each token's bits are then made its own too: the norms sum their squares in a
-    fixed order (`row_tiles.tree_sum`), under tensor parallelism the
+    fixed order (`common.tree_sum`), under tensor parallelism the
     row-parallel projections add their devices' partial sums in a fixed order
     (`row_parallel_in_order`), and an MoE MLP keeps each token's bits its own (`moe.moe_mlp`).
 

@@ -59,14 +59,18 @@ def fixed_tile_matmul(matmul: Callable, x: jax.Array, w, *, interpret: bool, tra
         k, n = w.shape[::-1] if transposed else w.shape
         if supported(k, n):
             rows = jnp.full((1,), x.shape[0], jnp.int32)
+            block_n = column_block(n)
+            depth = min(256, 64 * 128 // block_n) * 2 // x.dtype.itemsize  # shared memory: 3 stages of both tiles
             return grouped_matmul(x, w[None], rows, interpret=interpret, block_m=GROUPED_TILE_ROWS,
-                                  block_n=column_block(n), rhs_transposed=transposed, out_dtype=out_dtype)
+                                  block_n=block_n, block_k=math.gcd(k, depth), rhs_transposed=transposed,
+                                  out_dtype=out_dtype)
     return row_tiled(matmul, x, w)
 
 
 def column_block(n: int) -> int:
     """Columns per program of `fixed_tile_matmul`: up to 128, fewer for a narrow weight, so that one
-    tile of rows (a decode) still has some 256 programs to stream the weight with. It follows the
+    tile of rows (a decode) still has some 256 programs to stream the weight with; each then steps
+    through K in more rows at a time (up to 256), so that a step's load stays large. Both follow the
     weight's shape only, never the batch's, so a row's bits stay its own."""
     return math.gcd(n, max(16, min(128, next_pow2(n // 512))))
 
@@ -74,19 +78,6 @@ def column_block(n: int) -> int:
 def per_row(f: Callable, rows, tiled: bool):
     """f(rows), computed a tile of rows at a time when `tiled` (`row_tiled`)."""
     return row_tiled(f, rows) if tiled else f(rows)
-
-
-def tree_sum(x: jax.Array) -> jax.Array:
-    """The sum over x's last axis as a fixed tree of elementwise adds (zero-padded to a power of two,
-    then halves added pairwise): each row's order of additions follows the row's length only, where
-    a reduction's order is chosen by the whole array's shape (on the CPU a row of a [T, 16, 128]
-    RMSNorm changes with T)."""
-    width = next_pow2(x.shape[-1])
-    x = jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - x.shape[-1]),))
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
 
 
 def summed_in_order(partial: jax.Array, axis: str) -> jax.Array:
