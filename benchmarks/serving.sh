@@ -21,11 +21,14 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 case "$1" in
   tests)
     python3 -c 'from jaxrunner import platform; import jax; print(jax.devices()[0].device_kind, "SMs:", platform.num_sms())'
-    timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_parity.py tests/test_ragged_paged_attention_gpu.py \
-      tests/test_sampler.py tests/test_quantized_matmul.py tests/test_grouped_matmul.py -k "not matches_reference" 2>&1 | tail -5
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_warmup.py tests/test_kv_sizing.py tests/test_hf_parity.py \
-      -k "warmed_up or directly or peak or pallas" 2>&1 | tail -5
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_host_tier.py tests/test_batch_invariant.py 2>&1 | tail -5 ;;
+    # each part's whole log under $OUT; here its failures' names and first lines, and its count
+    timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=line tests/test_gpu_parity.py tests/test_ragged_paged_attention_gpu.py \
+      tests/test_sampler.py tests/test_quantized_matmul.py tests/test_grouped_matmul.py -k "not matches_reference" 2>&1 \
+      | tee "$OUT/tests_gpu.log" | grep -E "^(FAILED|ERROR|/.*Error)|passed|failed" | cut -c1-300
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_warmup.py tests/test_kv_sizing.py tests/test_hf_parity.py \
+      -k "warmed_up or directly or peak or pallas" 2>&1 | tee "$OUT/tests_engine.log" | grep -E "^(FAILED|ERROR|/.*Error)|passed|failed" | cut -c1-300
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_host_tier.py tests/test_batch_invariant.py 2>&1 \
+      | tee "$OUT/tests_tier_invariant.log" | grep -E "^(FAILED|ERROR|/.*Error)|passed|failed" | cut -c1-300 ;;
   latency)
     timeout 330 python3 -m jaxrunner.cli bench latency --json "$OUT/w1.json" 2>&1 | tail -8 ;;
   startup)
@@ -107,5 +110,5 @@ for _ in range(400):
     timeout 280 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --no-peer \
       --batch-invariant --json "$OUT/moe_b1_invariant.json" 2>&1 | grep jaxrunner ;;  # the mode's fixed tiles
   *)
-    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|quant" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|offload|invariant|quant" >&2; exit 2 ;;
 esac

@@ -14,7 +14,8 @@ One program handles one *work item* for one KV head and one KV split:
 
 The key loop runs in three phases: blocks cut by the sliding window's lower edge (masked), blocks
 every row sees whole (no mask, no load predicate: the bulk of a long context), and blocks cut by
-the causal diagonal or the end of the context (masked). Masked K/V loads read zeros past the
+the causal diagonal or the end of the context (masked); `one_loop` runs them all masked, in one
+loop, so that a row's arithmetic does not follow where its work item starts. Masked K/V loads read zeros past the
 context and before the window, so unwritten cache rows never reach the output (even NaN ones), nor
 do the pages a sliding group gave back, which may hold another request's keys by now.
 
@@ -47,6 +48,7 @@ class KernelConfig:
     min_split_blocks: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    one_loop: bool = False  # every block through the masked loop (batch invariance: `_kernel`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +107,13 @@ def _kernel(work_ref, q_ref, k_ref, v_ref, bt_ref, *out_refs, spec: AttentionSpe
         b0 = jnp.minimum(blk_lo + split * per, blk_hi)
         b1 = jnp.minimum(b0 + per, blk_hi)
     # Whole blocks: every key <= pos0 (visible to every row) and, with a window, >= pos_last - W + 1.
-    if spec.sliding_window is None:
+    # Which blocks those are follows where the work item starts, so with `one_loop` every block takes
+    # the masked loop: two loops are two compiled bodies, whose products may contract differently.
+    if spec.sliding_window is None or cfg.one_loop:
         u0 = b0
     else:
         u0 = jnp.clip((pos_last - spec.sliding_window + 1 + bk - 1) // bk, b0, b1)
-    u1 = jnp.clip((pos0 + 1) // bk, u0, b1)
+    u1 = u0 if cfg.one_loop else jnp.clip((pos0 + 1) // bk, u0, b1)
 
     # fp32 caches get true fp32 products (Triton would use TF32 by default).
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
@@ -194,5 +198,5 @@ def paged_attention_call(work, q, k_cache, v_cache, block_tables, *, spec: Atten
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        name=f"ragged_paged_attention_q{cfg.block_q}_k{cfg.block_k}_s{cfg.num_splits}",
+        name=f"ragged_paged_attention_q{cfg.block_q}_k{cfg.block_k}_s{cfg.num_splits}{'_one_loop' * cfg.one_loop}",
     )(work, q, k_cache, v_cache, block_tables)

@@ -109,11 +109,12 @@ def invariant_config(dtype, head_dim: int, padded_group: int) -> KernelConfig:
     """Tiling for batch-invariant steps, one for every batch: no KV split (the decode kernel's
     splits follow the batch's size), and tiles of 16 rows, the smallest dot, as the decode kernel's,
     so that a decode, which fills one row per query head, does not pay for the 128 rows of a
-    prefill's tile. A row's keys are then visited in one order whatever the batch or the chunk
-    around it; a prefill chunk pays by re-reading its keys once per 16 rows."""
+    prefill's tile; and every key block through one loop (`one_loop`). A row's keys are then
+    visited in one order, by one compiled body, whatever the batch or the chunk around it; a
+    prefill chunk pays by re-reading its keys once per 16 rows, and by masking every block."""
     big = head_dim > 128 or jnp.dtype(dtype) == jnp.float32
     return KernelConfig(block_q=max(1, 16 // padded_group), block_k=32 if big else 64, num_warps=4,
-                        num_stages=2 if big else 3)
+                        num_stages=2 if big else 3, one_loop=True)
 
 
 def decode_config(dtype, head_dim: int, padded_group: int, *, queries_per_seq: int, num_tokens: int,

@@ -134,13 +134,14 @@ def test_split_kv():
         _run_and_check(batch, jnp.float32, entries=("decode",), sm_scale=0.125, config=config)
 
 
-def test_batch_invariant_tiling_is_the_decode_kernels_rows_without_splits():
+def test_batch_invariant_tiling_is_the_decode_kernels_rows_in_one_loop_without_splits():
     """Batch-invariant steps run every batch with one tiling: 16 rows a tile (a decode's rows are
-    one per query head, as in the decode kernel) and no KV split, whatever the batch's size."""
+    one per query head, as in the decode kernel), no KV split, whatever the batch's size, and every
+    key block through one loop."""
     kw = _shape_kwargs(jnp.bfloat16, 128, 16, 2, 2)
     batch = make_batch(7, **kw)
     entry = functools.partial(ragged_paged_attention, sm_scale=0.1, interpret=True, batch_invariant=True)
-    assert "ragged_paged_attention_q8_k64_s1" in str(jax.make_jaxpr(entry)(*batch.args))
+    assert "ragged_paged_attention_q8_k64_s1_one_loop" in str(jax.make_jaxpr(entry)(*batch.args))
 
 
 def test_decode_tiling_splits_small_batches():
