@@ -5,7 +5,7 @@ its tokens first differ and the largest logprob difference, per mode, and the la
 its prompt logprobs (the prefill's). The mode's cost is
 `jaxrunner bench latency|throughput --batch-invariant` beside the same without it.
 
-    PYTHONPATH=$PWD python3 benchmarks/batch_invariance.py [--shape qwen3-0.6b] [--batch 256]
+    PYTHONPATH=$PWD python3 benchmarks/batch_invariance.py [--shape qwen3-0.6b] [--batch 256] [--kernels pallas]
 Writes $OUT/batch_invariance.json when OUT is set.
 """
 
@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--kernels", choices=("auto", "pallas", "reference"), default="auto",
+                        help="the engine's kernels (pallas off a GPU: interpreted)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     vocab = shape(args.shape).vocab_size
@@ -52,7 +54,7 @@ def main() -> None:
     result = {"device": jax.devices()[0].device_kind, **vars(args), "place": place}
     for invariant in (False, True):
         llm = LLM(args.shape, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024 + args.new,
-                  batch_invariant=invariant, enable_prefix_caching=False)
+                  batch_invariant=invariant, enable_prefix_caching=False, kernels=args.kernels)
         for name, params in (("greedy", SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True, logprobs=0,
                                                       prompt_logprobs=0)),
                              ("seeded", SamplingParams(temperature=1.0, seed=3, max_tokens=args.new, ignore_eos=True,

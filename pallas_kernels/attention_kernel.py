@@ -15,9 +15,9 @@ One program handles one *work item* for one KV head and one KV split:
 The key loop runs in three phases: blocks cut by the sliding window's lower edge (masked), blocks
 every row sees whole (no mask, no load predicate: the bulk of a long context), and blocks cut by
 the causal diagonal or the end of the context (masked); `one_loop` runs them all masked, in one
-loop, so that a row's arithmetic does not follow where its work item starts. Masked K/V loads read zeros past the
-context and before the window, so unwritten cache rows never reach the output (even NaN ones), nor
-do the pages a sliding group gave back, which may hold another request's keys by now.
+loop, so that a row's arithmetic does not follow where its work item starts. Masked K/V loads read
+zeros past the context and before the window, so unwritten cache rows never reach the output (even
+NaN ones), nor do the pages a sliding group gave back, which may hold another request's keys by now.
 
 Everything indexes with explicit integer arrays (pointer arithmetic under Triton), which the Triton
 lowering and interpret mode both accept; interpret mode runs the same kernel on CPU for tests.

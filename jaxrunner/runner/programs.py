@@ -180,7 +180,8 @@ DECODE_LOOP = Kind(
     examples=_decode_loop_examples, fixed=_decode_loop_options, donate=("state",))
 PROMPT_LOGPROBS = Kind(
     "prompt_logprobs", prompt_logprobs_step, key=lambda a: (a["hidden"].shape[0],), examples=_prompt_logprobs_examples,
-    fixed=lambda ctx: dict(model=ctx.model, kernels=ctx.kernels, num_top=ctx.config.sampler.logprobs_width(ctx.model.vocab_size),
+    fixed=lambda ctx: dict(model=ctx.model, kernels=ctx.kernels,
+                           num_top=ctx.config.sampler.logprobs_width(ctx.model.vocab_size),
                            as_logits=ctx.config.sampler.logprobs_mode.endswith("logits")))
 WRITE_LORA = Kind("write_lora", write_slot, key=lambda a: (), examples=_write_lora_examples, donate=("lora",))
 GATHER_BLOCKS = Kind("gather_blocks", gather_blocks, key=lambda a: (a["blocks"].shape[0],), examples=_gather_examples)
