@@ -248,6 +248,32 @@ def test_the_norms_give_each_row_its_own_bits():
     assert np.asarray(tree_sum(jnp.arange(1.0, 577.0))) == 576 * 577 / 2  # a width that is no power of two
 
 
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_a_prompt_cut_into_other_chunks_keeps_its_bits_with_qwen3s_heads(tmp_path, kernels):
+    """Qwen3-0.6B's attention (16 query heads, 8 KV heads of 128, q/k norms) in bf16: a 300-token
+    prompt alone (chunks of 256 and 44 tokens) and behind a 500-token one (chunks starting at other
+    tokens) gives the same prompt and sampled logprobs. Three sums moved its bits here before: the
+    q-norm's and the reference's softmax (XLA:CPU chose their order by the token count), and the
+    Pallas kernel's whole-block loop (which blocks a chunk sees whole follows where it starts)."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG | {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 256,
+        "intermediate_size": 512, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 2048, "rope_theta": 1e6}))
+    rng = np.random.default_rng(0)
+    target, before, after = (rng.integers(3, 512, n).tolist() for n in (300, 500, 700))
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    with LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
+             max_num_seqs=4, max_num_batched_tokens=256, batch_invariant=True, enable_prefix_caching=False,
+             kernels=kernels) as llm:
+        def logprobs(prompts: list[list[int]], at: int) -> tuple[list[float], list[float]]:
+            found = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)[at]
+            out = found.outputs[0]
+            return ([lp[t].logprob for t, lp in zip(found.prompt_token_ids[1:], found.prompt_logprobs[1:])],
+                    [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
+
+        assert logprobs([before, target, after], 1) == logprobs([target], 0)
+
+
 @pytest.mark.parametrize("seed", [2, 3, 5])
 def test_the_reference_attention_gives_each_row_its_own_bits(seed):
     """The reference attention as the mode runs it (its softmax's sums in `common.tree_sum`'s
