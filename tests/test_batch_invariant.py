@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxrunner import LLM, ModelConfig, SamplingParams
-from jaxrunner.config import Kernels
 from jaxrunner.bench.throughput import random_adapter
+from jaxrunner.config import Kernels
 from jaxrunner.lora_request import LoRARequest
+from jaxrunner.models.llama import rms_norm
 from jaxrunner.models.moe import moe_mlp
 from jaxrunner.models.quantization import matmul, quantize
-from jaxrunner.models.llama import rms_norm
 from jaxrunner.models.row_tiles import fixed_tile_matmul, per_row, row_tiled
 from jaxrunner.runner.programs import SAMPLE
 from jaxrunner.runner.step import logits_matmul, moe_matmul, projection_matmul
