@@ -8,8 +8,10 @@ import dataclasses
 import pytest
 
 from jaxrunner import Runner, RunnerConfig
+from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.engine.default_model import default_model
 from jaxrunner.engine.engine_args import kv_blocks_that_fit
+from jaxrunner.runner.programs import DECODE_LOOP
 
 
 def test_peak_step_bytes_grows_with_the_largest_bucket():
@@ -20,6 +22,19 @@ def test_peak_step_bytes_grows_with_the_largest_bucket():
         for n in (32, 512)
     ]
     assert 0 < peaks[0] < peaks[1]
+
+
+def test_the_reservation_covers_the_multi_step_decode_loop():
+    """A loop of decode steps holds a backbone's temporaries and a sampler's at once: more than the
+    largest backbone here, which is all the reservation held before."""
+    cfg = dataclasses.replace(shape("tiny"), num_layers=4, hidden_size=256, intermediate_size=4096, head_dim=64)
+    config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_blocks=1,
+                          dtype="bfloat16", token_buckets=(), num_scheduler_steps=4)
+    runner = Runner(cfg, random_params(cfg, "bfloat16", 0), config)
+    loop = runner.programs.executable(runner.programs.examples(DECODE_LOOP)[0]).memory_analysis().temp_size_in_bytes
+    forward = runner.compile_forward(16).memory_analysis().temp_size_in_bytes
+    assert loop > forward
+    assert runner.peak_step_bytes() >= loop
 
 
 def test_blocks_fit_beside_the_weights_and_the_step():

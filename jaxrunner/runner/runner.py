@@ -305,9 +305,11 @@ class Runner:
             self._warming.join(timeout)
 
     def peak_step_bytes(self) -> int:
-        """Temporary device memory of the largest step (the largest token bucket's backbone, then the
-        fullest sampler at the largest request bucket), from their compiled executables: a profiling
-        compile that needs no cache allocated (the cache is aliased, so its size changes nothing)."""
+        """Temporary device memory of the largest step, from the compiled executables of the largest
+        token bucket's backbone, the fullest sampler at the largest request bucket and, where steps
+        run several at a time, the largest decode loop (it holds a backbone's and a sampler's
+        temporaries at once): a profiling compile that needs no cache allocated (the cache is
+        aliased, so its size changes nothing)."""
         ctx = self.ctx
         flags, b = ctx.sampler_variants[-1], self.config.request_buckets[-1]
         named = dict(params=ctx.params, state=ctx.state, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags),
@@ -316,7 +318,9 @@ class Runner:
             sampler = self.programs.program(SPEC_SAMPLE, draft_params=ctx.draft_params, **named)
         else:
             sampler = self.programs.program(SAMPLE, **named)
-        executables = [self.compile_forward(self.config.max_num_batched_tokens), self.programs.executable(sampler)]
+        loops = self.programs.examples(DECODE_LOOP)[:1]  # the largest first
+        executables = [self.compile_forward(self.config.max_num_batched_tokens), self.programs.executable(sampler),
+                       *map(self.programs.executable, loops)]
         return max(exe.memory_analysis().temp_size_in_bytes for exe in executables)
 
     def compile_forward(self, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
