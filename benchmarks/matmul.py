@@ -1,16 +1,18 @@
 """Decode-step projections in the model's weight layout against the unfused one, under XLA.
 
-Each case multiplies a 16-row bf16 activation (the smallest token bucket) by the weights of
+Each case multiplies a 16-row (`--rows`) bf16 activation (the smallest token bucket) by the weights of
 `--layers` layers in one jitted call, as a decode step does, so the weights come from HBM, not L2;
 its time is the GPU's busy time in a device trace. Prints GB/s of weight bytes read and the
 fraction of the H200's copy bandwidth (docs/design.md): the reason q|k|v and gate|up are stored side by side.
 With `--quantization` the weights are held in that format (models/quantization.py) and the bytes
 counted are the ones it stores, so the figures say how close each format's matmul comes to streaming them;
 the matmul is the runner's (`step.projection_matmul`: the Mosaic kernel where it applies), or XLA's
-alone with `--xla`.
+alone with `--xla`. `--batch-invariant` runs the mode's projections (the grouped matmul's fixed
+tiles and K ranges, `row_tiles.fixed_tile_matmul`) and `--rows` sets the activation's rows (W2's
+decode: 256).
 
-    PYTHONPATH=$PWD python benchmarks/matmul.py --shape llama3-8b [--quantization fp8|int8|int4]
-Writes $OUT/matmul_<shape>[_<format>].json when OUT is set.
+    PYTHONPATH=$PWD python benchmarks/matmul.py --shape llama3-8b [--quantization fp8|int8|int4] [--batch-invariant]
+Writes $OUT/matmul_<shape>[_<format>][_invariant][_r<rows>].json when OUT is set.
 """
 
 from __future__ import annotations
@@ -67,27 +69,32 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--quantization", choices=QUANTIZATION_FORMATS)
     parser.add_argument("--xla", action="store_true", help="XLA's matmul, not the runner's choice")
+    parser.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode's projections")
+    parser.add_argument("--rows", type=int, default=16)
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit("benchmarks/matmul.py needs a GPU: its times come from a device trace")
 
     results = {"device": jax.devices()[0].device_kind, "quantization": args.quantization or "bf16", "xla": args.xla,
-               "xla_flags": os.environ.get("XLA_FLAGS", ""), "cases": {}}
+               "batch_invariant": args.batch_invariant, "rows": args.rows, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+               "cases": {}}
+    product = matmul if args.xla else projection_matmul(Kernels.choose("auto", batch_invariant=args.batch_invariant))
     key = itertools.count()
     for case, shapes in layouts(args.shape).items():
         k = shapes[0][0]
         count = max(2, min(args.layers, int(4e9 // sum(2 * a * b for a, b in shapes))))
         layers = [[weight(jax.random.key(next(key)), s, args.quantization) for s in shapes] for _ in range(count)]
         layer_bytes = weight_bytes_per_step({"layers": layers}) / count
-        x = jax.random.normal(jax.random.key(0), (16, k), jnp.bfloat16)
-        seconds = seconds_per_layer(x, layers, args.reps, matmul if args.xla else projection_matmul(Kernels.choose("auto")))
+        x = jax.random.normal(jax.random.key(0), (args.rows, k), jnp.bfloat16)
+        seconds = seconds_per_layer(x, layers, args.reps, product)
         gbps = layer_bytes / seconds / 1e9
         results["cases"][case] = {"shapes": shapes, "us_per_layer": seconds * 1e6, "gbps": gbps}
         print(f"{case:20s} {' + '.join(f'[{a}x{b}]' for a, b in shapes):32s} {seconds * 1e6:7.1f} us "
               f"{gbps:6.0f} GB/s ({gbps * 1e9 / COPY_BANDWIDTH:4.0%} of copy)", flush=True)
         del layers
     if os.environ.get("OUT"):
-        name = f"matmul_{args.shape}" + (f"_{args.quantization}" if args.quantization else "") + ("_xla" if args.xla else "")
+        name = (f"matmul_{args.shape}" + (f"_{args.quantization}" if args.quantization else "") + ("_xla" if args.xla else "")
+                + ("_invariant" if args.batch_invariant else "") + (f"_r{args.rows}" if args.rows != 16 else ""))
         with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
             json.dump(results, f, indent=1)
 

@@ -14,7 +14,8 @@
 #   bash benchmarks/serving.sh families   # Gemma, MoE and KV-cache groups on the GPU: parity, the engine's groups, fp8's logit error
 #   bash benchmarks/serving.sh moe        # the Qwen3-30B-A3B shape's decode at batch 1 and 64, each with the HF peer
 #   bash benchmarks/serving.sh offload    # the prefix cache's host tier: TTFT of 8k prefixes revisited after eviction, recomputed vs loaded (8B shape)
-#   bash benchmarks/serving.sh invariant  # batch invariance at W2's scale (a request alone vs in 256), and the mode's cost on W1 and W2
+#   bash benchmarks/serving.sh invariant  # batch invariance at W2's scale (a request alone vs in 256); the mode's projections against XLA's
+#   bash benchmarks/serving.sh invariant-cost  # the mode's cost on W1 and W2
 #   bash benchmarks/serving.sh quant      # W1 in bf16 (with the HF peer), fp8, int8 and int4; W2 in bf16 and fp8; the kernel's matmuls
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -47,6 +48,10 @@ case "$1" in
     timeout 300 python3 benchmarks/batch_sweep.py --shape llama3-8b --context 1024 ;;
   invariant)
     timeout 240 python3 benchmarks/batch_invariance.py 2>&1 | tail -32
+    for case in "llama3-8b 16" "qwen3-0.6b 256"; do  # the projections at W1's and W2's decode rows, without the mode and with it
+      for flag in "" --batch-invariant; do timeout 80 python3 benchmarks/matmul.py --shape ${case% *} --rows ${case#* } $flag; done
+    done ;;
+  invariant-cost)
     for flag in "" --batch-invariant; do  # the mode's cost: W1 and W2 without, then with it
       timeout 150 python3 -m jaxrunner.cli bench latency --no-peer $flag --json "$OUT/w1${flag:+_invariant}.json" 2>&1 | grep jaxrunner
       timeout 200 python3 -m jaxrunner.cli bench throughput --no-peer $flag --json "$OUT/w2${flag:+_invariant}.json" 2>&1 | tr '\r' '\n' | grep jaxrunner
@@ -110,5 +115,5 @@ for _ in range(400):
     timeout 280 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --no-peer \
       --batch-invariant --json "$OUT/moe_b1_invariant.json" 2>&1 | grep jaxrunner ;;  # the mode's fixed tiles
   *)
-    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|offload|invariant|quant" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|offload|invariant|invariant-cost|quant" >&2; exit 2 ;;
 esac

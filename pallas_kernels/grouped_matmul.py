@@ -14,6 +14,12 @@ whose tiles would otherwise re-read each expert's weights many times), or is fix
 then a row's products run in tiles of one shape whatever the batch routes beside it, which batch
 invariance needs (`grouped_matmul_in_tiles` computes the same tiles through XLA).
 
+K can be cut into `k_splits` ranges, each summed from zero and then added in order ((r0 + r1) + r2
+...): an order the caller fixes from the weight's shape alone. With `spread_splits` every range is
+a program of its own and writes float32 partial sums, which XLA adds in that same order after the
+kernel: a decode's one tile of rows then has programs enough to stream a narrow weight with every
+SM, and gives the bits the ranges give in one program.
+
 Triton wants power-of-two blocks and dots of K >= 16: K and N must be multiples of 16 (`supported`).
 """
 
@@ -53,12 +59,13 @@ def plan_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret: bool = False,
-                   block_m: int = 0, block_n: int = 0, block_k: int = 0, rhs_transposed: bool = False,
-                   out_dtype=None) -> jax.Array:
+                   block_m: int = 0, block_n: int = 0, block_k: int = 0, k_splits: int = 1,
+                   spread_splits: bool = False, rhs_transposed: bool = False, out_dtype=None) -> jax.Array:
     """[M, N] in `out_dtype` (default lhs's) for lhs [M, K], rhs [E, K, N] ([E, N, K] when
     `rhs_transposed`: a tied LM head is the embedding [vocab, hidden] as it is held), group_sizes
     [E] (as `ragged_dot`), in tiles of `block_m` rows (0: `block_rows`) by `block_n` columns (0: up
-    to 128), K `block_k` at a time (0: up to 64)."""
+    to 128), K `block_k` at a time (0: up to 64) in `k_splits` ranges (`spread_splits`: a program
+    each)."""
     num_rows, k = lhs.shape
     num_groups, k_rhs, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if rhs_transposed else rhs.shape
     if k_rhs != k or not supported(k, n):
@@ -72,15 +79,26 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
             raise ValueError(f"grouped_matmul's {name}={size} does not divide {whole}")
     block_m = block_m or block_rows(num_rows, num_groups)
     plan = plan_tiles(group_sizes, num_rows, block_m)
-    block_n, block_k = block_n or math.gcd(n, 128), block_k or math.gcd(k, 64)
+    block_n, block_k = block_n or math.gcd(n, 128), block_k or math.gcd(k // k_splits, 64)
+    if k_splits < 1 or k % (k_splits * block_k):
+        raise ValueError(f"grouped_matmul cannot cut K={k} into k_splits={k_splits} ranges of whole "
+                         f"block_k={block_k} steps")
+    out_dtype = out_dtype or lhs.dtype
+    splits = (k_splits,) if spread_splits else ()
+    name = f"grouped_matmul_m{block_m}_n{block_n}_k{block_k}"
+    if k_splits > 1:
+        name += f"_s{k_splits}" + ("_spread" if spread_splits else "")
     out = pl.pallas_call(
-        functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, rhs_transposed=rhs_transposed),
-        grid=(plan.shape[0], n // block_n),
-        out_shape=jax.ShapeDtypeStruct((num_rows, n), out_dtype or lhs.dtype),
+        functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits,
+                          rhs_transposed=rhs_transposed),
+        grid=(plan.shape[0], n // block_n, *splits),
+        out_shape=jax.ShapeDtypeStruct((*splits, num_rows, n), jnp.float32 if splits else out_dtype),
         compiler_params=plt.CompilerParams(num_warps=4 if min(block_m, block_n) <= 32 else 8, num_stages=3),
         interpret=interpret,
-        name=f"grouped_matmul_m{block_m}_n{block_n}_k{block_k}",
+        name=name,
     )(plan, lhs, rhs)
+    if splits:  # the ranges' sums added in the order one program adds them
+        out = functools.reduce(jnp.add, [out[r] for r in range(k_splits)]).astype(out_dtype)
     total = jnp.sum(group_sizes)
     return jnp.where((jnp.arange(num_rows) < total)[:, None], out, jnp.zeros((), out.dtype))
 
@@ -105,8 +123,11 @@ def grouped_matmul_in_tiles(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arr
     return out[:num_rows]
 
 
-def _kernel(plan_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int, block_k: int, rhs_transposed: bool):
+def _kernel(plan_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int, block_k: int, k_splits: int,
+            rhs_transposed: bool):
     tile, col = pl.program_id(0), pl.program_id(1)
+    spread = len(out_ref.shape) == 3
+    split = pl.program_id(2) if spread else 0
     group, first, end = plan_ref[tile, 0], plan_ref[tile, 1], plan_ref[tile, 2]
 
     @pl.when(group >= 0)
@@ -129,5 +150,15 @@ def _kernel(plan_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int, 
                                       preferred_element_type=jnp.float32)
             return acc + product
 
-        acc = jax.lax.fori_loop(0, lhs_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
-        plt.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=ok[:, None])
+        steps = lhs_ref.shape[1] // (k_splits * block_k)  # per range
+
+        def range_sum(first):
+            return jax.lax.fori_loop(first, first + steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+
+        if spread:
+            plt.store(out_ref.at[split, rows[:, None], cols[None, :]], range_sum(split * steps), mask=ok[:, None])
+        else:
+            acc = range_sum(0)
+            for r in range(1, k_splits):
+                acc = acc + range_sum(r * steps)
+            plt.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=ok[:, None])

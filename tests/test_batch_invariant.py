@@ -25,7 +25,7 @@ from jaxrunner.lora_request import LoRARequest
 from jaxrunner.models.llama import rms_norm
 from jaxrunner.models.moe import moe_mlp
 from jaxrunner.models.quantization import matmul, quantize
-from jaxrunner.models.row_tiles import fixed_tile_matmul, per_row, row_tiled
+from jaxrunner.models.row_tiles import fixed_tile_matmul, per_row, row_tiled, tiling
 from jaxrunner.runner.programs import SAMPLE
 from jaxrunner.runner.step import logits_matmul, moe_matmul, projection_matmul
 from pallas_kernels.common import tree_sum
@@ -294,11 +294,11 @@ def test_the_reference_attention_gives_each_row_its_own_bits(seed):
 
 def test_the_fixed_tile_matmul_gives_each_row_its_own_bits():
     """A GPU's batch-invariant projection (`row_tiles.fixed_tile_matmul`, interpreted here): each
-    row the same bits alone and in 2, 5 or 100 rows (two tiles), and the product x @ w, in narrow
-    column blocks that step through K in deeper slices; a quantized weight takes the row tiles."""
+    row the same bits alone and in 2, 5 or 100 rows (two tiles), and the product x @ w, K in the
+    ranges the weight's shape fixes; a quantized weight takes the row tiles."""
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((100, 512)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((512, 48)) * 0.1, jnp.float32)  # 16 columns and 128 of K a step
+    w = jnp.asarray(rng.standard_normal((512, 48)) * 0.1, jnp.float32)
     product = jax.jit(lambda x, w: fixed_tile_matmul(matmul, x, w, interpret=True))
     rows = [0, 1, 2, 3, 4, 70, 99]  # the last two in the second tile of 64
     alone = np.stack([np.asarray(product(x[i : i + 1], w))[0] for i in rows])
@@ -307,9 +307,20 @@ def test_the_fixed_tile_matmul_gives_each_row_its_own_bits():
         np.testing.assert_array_equal(np.asarray(product(x[:n], w))[[rows[j] for j in kept]], alone[kept])
     with jax.default_matmul_precision("highest"):
         np.testing.assert_allclose(np.asarray(product(x, w)), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
-    assert "grouped_matmul_m64_n16_k128" in str(jax.make_jaxpr(product)(x, w))  # float32: half the bf16 depth
+    # 16 columns, 32 of float32's K a step, two ranges of 256 (a program each: 6 programs are few)
+    assert "grouped_matmul_m64_n16_k32_s2_spread" in str(jax.make_jaxpr(product)(x, w))
     held = quantize(w, "int8")
     np.testing.assert_array_equal(np.asarray(product(x[:5], held)), np.asarray(row_tiled(matmul, x[:5], held)))
+
+
+def test_the_tiling_follows_the_weights_shape():
+    """`row_tiles.tiling` at Llama-3-8B's and Qwen3-0.6B's projections: 128 columns, and K ranges
+    that bring a decode's tile of rows to some 256 programs; a wide head needs none."""
+    assert tiling(4096, 6144, 2) == (128, 64, 8)  # q|k|v: 48 column blocks
+    assert tiling(14336, 4096, 2) == (128, 64, 8)  # down
+    assert tiling(4096, 28672, 2) == (128, 64, 2)  # gate|up
+    assert tiling(1024, 4096, 2) == (128, 64, 4)  # Qwen3-0.6B's q|k|v: ranges of 256
+    assert tiling(4096, 128256, 2) == (128, 64, 1)  # the LM head
 
 
 @pytest.mark.parametrize("tied", [False, True])

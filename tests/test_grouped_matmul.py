@@ -1,6 +1,6 @@
 """The Pallas grouped matmul (`pallas_kernels.grouped_matmul`) against `jax.lax.ragged_dot` on fresh
 random inputs, interpreted on the CPU (empty groups, rows past every group, decode- and prefill-sized
-tiles, fixed tiles and their XLA form, rhs held transposed), and its Triton lowering for an H200 at the Qwen3-30B-A3B expert shapes."""
+tiles, fixed tiles and their XLA form, rhs held transposed, K in ranges), and its Triton lowering for an H200 at the Qwen3-30B-A3B expert shapes."""
 
 from __future__ import annotations
 
@@ -40,6 +40,31 @@ def test_equals_ragged_dot(rows, k, n, groups, past):
     assert block_rows(rows, groups) == (128 if rows == 700 else 16)
 
 
+def test_k_ranges_give_the_same_bits_spread_over_programs_or_in_one():
+    """K in 4 ranges, each summed from zero, then added in order: a range per program (float32
+    partials added by XLA after) or all in one program, the same bits, for 3 rows or 100, groups
+    or not; the ranges' order is not the one-range order, but the sum is the product."""
+    rng = np.random.default_rng(11)
+    lhs = jnp.asarray(rng.standard_normal((100, 512)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((3, 512, 64)) * 0.05, jnp.bfloat16)
+    sizes = jnp.asarray([40, 0, 57], jnp.int32)
+    product = jax.jit(functools.partial(grouped_matmul, interpret=True, block_m=64), static_argnames=("k_splits", "spread_splits"))
+    one_range = np.asarray(product(lhs, rhs, sizes), np.float32)
+    in_one = np.asarray(product(lhs, rhs, sizes, k_splits=4), np.float32)
+    spread = np.asarray(product(lhs, rhs, sizes, k_splits=4, spread_splits=True), np.float32)
+    np.testing.assert_array_equal(spread, in_one)
+    assert not np.array_equal(in_one, one_range)  # another order of sums: other low bits somewhere
+    few = np.asarray(product(lhs[:3], rhs, jnp.asarray([3, 0, 0], jnp.int32), k_splits=4, spread_splits=True), np.float32)
+    np.testing.assert_array_equal(few, in_one[:3])
+    want = np.concatenate([np.asarray(lhs[:40], np.float32) @ np.asarray(rhs[0], np.float32),
+                           np.asarray(lhs[40:97], np.float32) @ np.asarray(rhs[2], np.float32), np.zeros((3, 64))])
+    np.testing.assert_allclose(spread, want, rtol=2e-2, atol=2e-2)
+    assert "grouped_matmul_m64_n64_k64_s4_spread" in str(jax.make_jaxpr(
+        functools.partial(product, k_splits=4, spread_splits=True))(lhs, rhs, sizes))
+    with pytest.raises(ValueError, match="cannot cut K=512 into k_splits=3 ranges"):
+        grouped_matmul(lhs, rhs, sizes, interpret=True, k_splits=3)
+
+
 def test_the_pallas_kernels_choose_it_for_moe_models():
     """The kernel with the Pallas kernels, XLA's ragged_dot without; batch-invariant, both in fixed tiles."""
     model = shape("qwen3-30b-a3b")
@@ -63,6 +88,17 @@ def test_lowers_to_triton_for_the_h200(tokens):
     assert "grouped_matmul_m" in text
 
 
+@pytest.mark.parametrize("rows, name", [(1, "grouped_matmul_m64_n128_k64_s8_spread"), (2048, "grouped_matmul_m64_n128_k64_s8\"")])
+def test_fixed_tiles_lower_to_triton_for_the_h200(rows, name):
+    """Batch invariance's projection at Llama-3-8B's down shape: a decode's rows spread its 8 K
+    ranges over programs, a prefill's run them in each tile's program."""
+    args = (jax.ShapeDtypeStruct((rows, 14336), jnp.bfloat16), jax.ShapeDtypeStruct((14336, 4096), jnp.bfloat16))
+    with jax.sharding.use_abstract_mesh(H200):
+        text = jax.jit(functools.partial(fixed_tile_matmul, None, interpret=False)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert name in text
+
+
 @pytest.mark.gpu
 def test_compiled_on_the_gpu_reads_a_tied_lm_head_as_held():
     """Batch invariance's logits at Qwen3-0.6B's tied head: the embedding [vocab, hidden] as it is
@@ -82,9 +118,10 @@ def test_compiled_on_the_gpu_reads_a_tied_lm_head_as_held():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, k, n", [(1, 4096, 6144), (100, 14336, 4096), (256, 1024, 4096)])
-def test_compiled_on_the_gpu_in_fixed_tiles_of_narrow_columns(rows, k, n):
-    """Batch invariance's projections (`row_tiles.fixed_tile_matmul`: 64-row tiles, `column_block`'s
-    16 to 64 columns) at Llama-3-8B's and Qwen3-0.6B's shapes, against XLA's product."""
+def test_compiled_on_the_gpu_in_fixed_tiles_and_k_ranges(rows, k, n):
+    """Batch invariance's projections (`row_tiles.fixed_tile_matmul`: 64-row tiles, `tiling`'s K
+    ranges, spread over programs for a decode's rows) at Llama-3-8B's and Qwen3-0.6B's shapes,
+    against XLA's product."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     rng = np.random.default_rng(rows)

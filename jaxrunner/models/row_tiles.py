@@ -22,7 +22,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import next_pow2
 from pallas_kernels.grouped_matmul import grouped_matmul, supported
 
 TILE_ROWS = 8
@@ -49,30 +48,41 @@ def row_tiled(f: Callable, rows, *whole):
 def fixed_tile_matmul(matmul: Callable, x: jax.Array, w, *, interpret: bool, transposed: bool = False,
                       out_dtype=None) -> jax.Array:
     """x [M, K] @ w [K, N] (w [N, K] when `transposed`) with each row's bits its own, for a GPU: the
-    Pallas grouped matmul with one group, in tiles of GROUPED_TILE_ROWS rows over the whole of K, so
-    a row's sums have one order whatever M is, and the weight is read once per tile, where
-    `row_tiled` reads it once per TILE_ROWS rows in a loop. Weights it does not take (quantized, a
-    shape it does not support, or split over devices: the partitioner cannot split a kernel) go
-    through `row_tiled(matmul, ...)`; `matmul(x, w)` must give `out_dtype` (default x's)."""
+    Pallas grouped matmul with one group, in tiles of GROUPED_TILE_ROWS rows, K summed in the ranges
+    `tiling` fixes from the weight's shape, so a row's sums have one order whatever M is, and the
+    weight is read once per tile, where `row_tiled` reads it once per TILE_ROWS rows in a loop. Few
+    tiles (a decode) spread the ranges over programs of their own: same bits, more SMs streaming.
+    Weights it does not take (quantized, a shape it does not support, or split over devices: the
+    partitioner cannot split a kernel) go through `row_tiled(matmul, ...)`; `matmul(x, w)` must give
+    `out_dtype` (default x's)."""
     mesh = jax.sharding.get_abstract_mesh()
     if isinstance(w, jax.Array) and (mesh.empty or mesh.size == 1):
         k, n = w.shape[::-1] if transposed else w.shape
         if supported(k, n):
-            rows = jnp.full((1,), x.shape[0], jnp.int32)
-            block_n = column_block(n)
-            depth = min(256, 64 * 128 // block_n) * 2 // x.dtype.itemsize  # shared memory: 3 stages of both tiles
-            return grouped_matmul(x, w[None], rows, interpret=interpret, block_m=GROUPED_TILE_ROWS,
-                                  block_n=block_n, block_k=math.gcd(k, depth), rhs_transposed=transposed,
+            block_n, block_k, k_splits = tiling(k, n, x.dtype.itemsize)
+            programs = (-(-x.shape[0] // GROUPED_TILE_ROWS) + 1) * (n // block_n)  # the grid's, with its spare tile
+            return grouped_matmul(x, w[None], jnp.full((1,), x.shape[0], jnp.int32), interpret=interpret,
+                                  block_m=GROUPED_TILE_ROWS, block_n=block_n, block_k=block_k, k_splits=k_splits,
+                                  spread_splits=k_splits > 1 and programs < SPREAD_BELOW, rhs_transposed=transposed,
                                   out_dtype=out_dtype)
     return row_tiled(matmul, x, w)
 
 
-def column_block(n: int) -> int:
-    """Columns per program of `fixed_tile_matmul`: up to 128, fewer for a narrow weight, so that one
-    tile of rows (a decode) still has some 256 programs to stream the weight with; each then steps
-    through K in more rows at a time (up to 256), so that a step's load stays large. Both follow the
-    weight's shape only, never the batch's, so a row's bits stay its own."""
-    return math.gcd(n, max(16, min(128, next_pow2(n // 512))))
+# Programs below which `fixed_tile_matmul` gives each K range a program: about two per SM of an H200.
+SPREAD_BELOW = 256
+
+
+def tiling(k: int, n: int, itemsize: int) -> tuple[int, int, int]:
+    """`fixed_tile_matmul`'s column block (up to 128), K step (64 rows of bf16, as much shared memory
+    for float32) and K ranges: as many as bring one tile of rows to SPREAD_BELOW programs, each
+    range at least 256 deep. All follow the weight's shape only, never the batch's, so a row's bits
+    stay its own."""
+    block_n = math.gcd(n, 128)
+    block_k = math.gcd(k, 128 // itemsize)
+    splits = 1
+    while (n // block_n) * splits < SPREAD_BELOW and k % (2 * splits * block_k) == 0 and k // (2 * splits) >= 256:
+        splits *= 2
+    return block_n, block_k, splits
 
 
 def per_row(f: Callable, rows, tiled: bool):
