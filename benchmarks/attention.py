@@ -8,12 +8,16 @@ Sections (all bf16, Llama-3-8B heads: 32 query heads, 8 KV heads, D=128, page si
   ours (`ragged_paged_attention_decode`, Triton-lowered), XLA on the dense (pre-gathered) cache, and
   `jax.experimental.pallas.ops.gpu.paged_attention` (head-major copy of the same pages);
 - prefill: 8k tokens as one request and as 16 x 512; TFLOP/s (causal FLOPs) for ours
-  (`ragged_paged_attention`) against cuDNN and XLA `jax.nn.dot_product_attention` on dense inputs;
+  (`ragged_paged_attention`, Triton-lowered, and `mosaic_prefill_attention`, Mosaic GPU) against
+  cuDNN and XLA `jax.nn.dot_product_attention` on dense inputs;
 - kv write: `write_kv` (Pallas, aliased) against the XLA scatter, caches updated in a loop carry;
 - sweep (unless --no-sweep): a few kernel tilings for decode 64 x 4k and prefill 8k, so one run
   shows which tiling to make the default;
 - --fp8 alone: decode at batch 64 and 256 x 4k with bf16 and with fp8 (e4m3) pages, our kernel
   (it widens fp8 pages as it reads them; GB/s counts the bytes read, half as many for fp8);
+- mixed: a 2048-token prompt chunk beside 63 decodes at 4k keys, the Triton kernel against the
+  Mosaic one (the runner's `kernels="mosaic"` sends such batches to the Mosaic kernel);
+- --prefill alone: the prefill and mixed sections and a sweep of the Mosaic kernel's tilings;
 - --w1-sweep alone: decode tilings for one sequence at 129 and 385 keys (W1's short contexts, the
   query padded to 16 tokens as the runner pads it), and the default at 64 x 4k.
 
@@ -43,7 +47,15 @@ import numpy as np
 from jax import lax
 
 from jaxrunner import platform
-from pallas_kernels import FP8, KernelConfig, ragged_paged_attention, ragged_paged_attention_decode, write_kv
+from pallas_kernels import (
+    FP8,
+    KernelConfig,
+    MosaicConfig,
+    mosaic_prefill_attention,
+    ragged_paged_attention,
+    ragged_paged_attention_decode,
+    write_kv,
+)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 GROUP = NUM_Q_HEADS // NUM_KV_HEADS
@@ -202,7 +214,7 @@ def decode_case(batch: int, context: int, copy_gbps: float, configs: dict[str, K
 
 # ----------------------------------------------------------------------------------- prefill
 
-def prefill_case(num_seqs: int, seq_len: int, configs: dict[str, KernelConfig] | None = None):
+def prefill_case(num_seqs: int, seq_len: int, configs: dict[str, KernelConfig | MosaicConfig] | None = None):
     case = f"{num_seqs} x {seq_len}"
     tokens = num_seqs * seq_len
     flops = 4 * NUM_Q_HEADS * HEAD_DIM * num_seqs * seq_len * (seq_len + 1) / 2  # causal
@@ -223,11 +235,19 @@ def prefill_case(num_seqs: int, seq_len: int, configs: dict[str, KernelConfig] |
                                           sm_scale=SCALE, config=config)
         return rate(device_time(fn, (q, k_cache, v_cache, tables), est_seconds=est))
 
+    def mosaic(config=MosaicConfig()):
+        def fn(i, q, k_cache, v_cache, tables):
+            return mosaic_prefill_attention(q, k_cache, v_cache, qsl, lens, tables, jnp.int32(num_seqs),
+                                            sm_scale=SCALE, config=config)
+        return rate(device_time(fn, (q, k_cache, v_cache, tables), est_seconds=est))
+
     if configs is not None:
         for name, config in configs.items():
-            record("sweep", case, f"ours {name}", functools.partial(ours, config))
+            kernel = mosaic if isinstance(config, MosaicConfig) else ours
+            record("sweep", case, f"ours {name}", functools.partial(kernel, config))
         return
     mine = record("prefill", case, "ours (pallas/triton)", ours)
+    theirs = record("prefill", case, "ours (mosaic)", mosaic)
 
     def dense(implementation):
         dense_kv = jax.jit(lambda c: c[tables].reshape(num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM))
@@ -242,8 +262,36 @@ def prefill_case(num_seqs: int, seq_len: int, configs: dict[str, KernelConfig] |
     for impl in ("cudnn", "xla"):
         name = f"jax.nn.dpa {impl} (dense)"
         peer = record("prefill", case, name, functools.partial(dense, impl))
-        if "error" not in mine and "error" not in peer:
-            mine.setdefault("vs", {})[name] = peer["time_us"] / mine["time_us"]
+        for row in (mine, theirs):
+            if "error" not in row and "error" not in peer:
+                row.setdefault("vs", {})[name] = peer["time_us"] / row["time_us"]
+    k_cache.delete()
+    v_cache.delete()
+
+
+def mixed_case(chunk: int, decodes: int, context: int):
+    """A chunked prefill step: one prompt's `chunk` tokens (its first) beside `decodes` sequences
+    decoding at `context` keys; ours through the Triton kernel and through the Mosaic one."""
+    case = f"{chunk} chunk + {decodes} decodes x {context}"
+    num_seqs, tokens = decodes + 1, chunk + decodes
+    pages_per_seq = max(chunk, context) // PAGE
+    rng = np.random.default_rng(chunk + decodes)
+    tables = jnp.asarray(rng.permutation(num_seqs * pages_per_seq).reshape(num_seqs, pages_per_seq), jnp.int32)
+    k_cache, v_cache = _paged_cache(jax.random.key(5), num_seqs * pages_per_seq)
+    q = jax.random.normal(jax.random.key(6), (tokens, NUM_Q_HEADS, HEAD_DIM), DTYPE)
+    qsl = jnp.asarray(np.concatenate([[0], chunk + np.arange(num_seqs)]), jnp.int32)
+    lens = jnp.asarray([chunk] + [context] * decodes, jnp.int32)
+    est = 4 * NUM_Q_HEADS * HEAD_DIM * chunk * chunk / 2 / 300e12 + 2 * decodes * context * NUM_KV_HEADS * HEAD_DIM * 2 / 4e12
+
+    def run(attend):
+        def fn(i, q, k_cache, v_cache, tables):
+            return attend(q, k_cache, v_cache, qsl, lens, tables, jnp.int32(num_seqs), sm_scale=SCALE)
+        return dict(time_us=device_time(fn, (q, k_cache, v_cache, tables), est_seconds=est) * 1e6)
+
+    triton = record("mixed", case, "ours (pallas/triton)", functools.partial(run, ragged_paged_attention))
+    mosaic = record("mixed", case, "ours (mosaic)", functools.partial(run, mosaic_prefill_attention))
+    if "error" not in triton and "error" not in mosaic:
+        mosaic.setdefault("vs", {})["ours (pallas/triton)"] = triton["time_us"] / mosaic["time_us"]
     k_cache.delete()
     v_cache.delete()
 
@@ -309,6 +357,11 @@ def prefill_sweep() -> dict[str, KernelConfig]:
     return out
 
 
+def mosaic_sweep() -> dict[str, MosaicConfig]:
+    return {f"mosaic k{block_k} st{stages}": MosaicConfig(block_k=block_k, stages=stages)
+            for block_k, stages in [(64, 2), (64, 3), (64, 4), (128, 2)]}
+
+
 def summary() -> list[str]:
     """Every ratio against a peer, then the issue's targets."""
     lines = []
@@ -326,9 +379,10 @@ def summary() -> list[str]:
         lines.append(f"TARGET decode b64 x 4k: {100 * row['copy_frac']:.1f}% of copy "
                      f"(>= 80%), x{vs_jax:.2f} vs jax paged_attention (>= 1.5)")
     for case in ("1 x 8192", "16 x 512"):
-        if row := find("prefill", case, "ours (pallas/triton)"):
-            vs_cudnn = row.get("vs", {}).get("jax.nn.dpa cudnn (dense)", nan)
-            lines.append(f"TARGET prefill {case}: x{vs_cudnn:.2f} of cuDNN's speed (>= 0.5)")
+        for impl in ("ours (pallas/triton)", "ours (mosaic)"):
+            if row := find("prefill", case, impl):
+                vs_cudnn = row.get("vs", {}).get("jax.nn.dpa cudnn (dense)", nan)
+                lines.append(f"TARGET prefill {case}, {impl}: x{vs_cudnn:.2f} of cuDNN's speed (>= 0.9)")
     return lines
 
 
@@ -338,6 +392,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="only the target cases")
     parser.add_argument("--w1-sweep", action="store_true", help="only tilings for W1's decode (batch 1, short context)")
     parser.add_argument("--fp8", action="store_true", help="only decode with bf16 against fp8 pages")
+    parser.add_argument("--prefill", action="store_true", help="only prefill, and the Mosaic kernel's tilings")
     args = parser.parse_args()
     print(f"devices: {jax.devices()}", flush=True)
 
@@ -351,7 +406,13 @@ def main():
         for context in (129, 385):
             decode_case(1, context, copy_gbps, configs={"default": None} | w1_sweep(), tokens=16)
         decode_case(64, 4096, copy_gbps, configs={"default": None})
-    if args.fp8 or args.w1_sweep:
+    elif args.prefill:
+        for num_seqs, seq_len in ((1, 8192), (16, 512)):
+            prefill_case(num_seqs, seq_len)
+        mixed_case(2048, 63, 4096)
+        prefill_case(1, 8192, configs=mosaic_sweep())
+    if args.fp8 or args.w1_sweep or args.prefill:
+        report()
         return
     batches = (64,) if args.quick else (1, 16, 64, 256)
     contexts = (4096,) if args.quick else (512, 4096, 32768)
@@ -360,12 +421,16 @@ def main():
             decode_case(batch, context, copy_gbps)
     for num_seqs, seq_len in ((1, 8192), (16, 512)):
         prefill_case(num_seqs, seq_len)
+    mixed_case(2048, 63, 4096)
     for tokens in (256, 8192):
         kv_write_case(tokens, copy_gbps)
     if not args.no_sweep:
         decode_case(64, 4096, copy_gbps, configs=decode_sweep())
-        prefill_case(1, 8192, configs=prefill_sweep())
+        prefill_case(1, 8192, configs=prefill_sweep() | mosaic_sweep())
+    report()
 
+
+def report() -> None:
     print("\n" + "=" * 110)
     for row in ROWS:
         print(_format(row))

@@ -16,6 +16,8 @@
 #   bash benchmarks/serving.sh offload    # the prefix cache's host tier: TTFT of 8k prefixes revisited after eviction, recomputed vs loaded (8B shape)
 #   bash benchmarks/serving.sh invariant  # batch invariance at W2's scale (a request alone vs in 256); the mode's projections against XLA's
 #   bash benchmarks/serving.sh invariant-cost  # the mode's cost on W1 and W2
+#   bash benchmarks/serving.sh mosaic     # the Mosaic GPU prefill attention: its GPU tests, prefill and mixed batches against cuDNN and the Triton kernel
+#   bash benchmarks/serving.sh mosaic-w2  # W2 with the Triton attention (the default), then with kernels=mosaic
 #   bash benchmarks/serving.sh quant      # W1 in bf16 (with the HF peer), fp8, int8 and int4; W2 in bf16 and fp8; the kernel's matmuls
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -24,7 +26,7 @@ case "$1" in
     python3 -c 'from jaxrunner import platform; import jax; print(jax.devices()[0].device_kind, "SMs:", platform.num_sms())'
     # each part's whole log under $OUT; here its failures' names and first lines, and its count
     timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=line tests/test_gpu_parity.py tests/test_ragged_paged_attention_gpu.py \
-      tests/test_sampler.py tests/test_quantized_matmul.py tests/test_grouped_matmul.py -k "not matches_reference" 2>&1 \
+      tests/test_sampler.py tests/test_quantized_matmul.py tests/test_grouped_matmul.py tests/test_mosaic_attention.py -k "not matches_reference" 2>&1 \
       | tee "$OUT/tests_gpu.log" | grep -E "^(FAILED|ERROR|/.*Error)|passed|failed" | cut -c1-300
     timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_warmup.py tests/test_kv_sizing.py tests/test_hf_parity.py \
       -k "warmed_up or directly or peak or pallas" 2>&1 | tee "$OUT/tests_engine.log" | grep -E "^(FAILED|ERROR|/.*Error)|passed|failed" | cut -c1-300
@@ -50,6 +52,15 @@ case "$1" in
     timeout 240 python3 benchmarks/batch_invariance.py 2>&1 | tail -32
     for case in "llama3-8b 16" "qwen3-0.6b 256"; do  # the projections at W1's and W2's decode rows, without the mode and with it
       for flag in "" --batch-invariant; do timeout 80 python3 benchmarks/matmul.py --shape ${case% *} --rows ${case#* } $flag; done
+    done ;;
+  mosaic)
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_mosaic_attention.py 2>&1 \
+      | tee "$OUT/tests_mosaic.log" | grep -E "^(FAILED|ERROR|E )|passed|failed" | cut -c1-300 | tail -20
+    timeout 300 python3 benchmarks/attention.py --prefill 2>&1 | tail -24 ;;
+  mosaic-w2)
+    for kernels in auto mosaic; do
+      timeout 280 python3 -m jaxrunner.cli bench throughput --no-peer --kernels $kernels --json "$OUT/w2_$kernels.json" 2>&1 \
+        | tr '\r' '\n' | grep -E "jaxrunner|Error" | tail -3
     done ;;
   invariant-cost)
     for flag in "" --batch-invariant; do  # the mode's cost: W1 and W2 without, then with it
@@ -115,5 +126,5 @@ for _ in range(400):
     timeout 280 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --no-peer \
       --batch-invariant --json "$OUT/moe_b1_invariant.json" 2>&1 | grep jaxrunner ;;  # the mode's fixed tiles
   *)
-    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|offload|invariant|invariant-cost|quant" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|offload|invariant|invariant-cost|mosaic|mosaic-w2|quant" >&2; exit 2 ;;
 esac

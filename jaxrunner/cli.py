@@ -27,7 +27,7 @@ import os
 import sys
 
 from jaxrunner.checkpoints.dummy import SHAPES
-from jaxrunner.config import QUANTIZATION_FORMATS
+from jaxrunner.config import KERNEL_CHOICES, QUANTIZATION_FORMATS
 
 # (flag, type, help) for the SamplingParams fields the CLI exposes; `type` None means a switch.
 SAMPLING_FLAGS = (
@@ -63,7 +63,8 @@ ENGINE_FLAGS = (
     ("num_gpu_blocks_override", int, None),
     ("kv_offloading_size", float, "GiB of host memory for the prefix cache's evicted KV blocks (a second tier)"),
     ("seed", int, "engine seed: requests without their own seed draw one from it"),
-    ("kernels", str, "auto (Pallas on a GPU), pallas (interpreted off a GPU) or reference"),
+    ("kernels", str, "auto (Pallas on a GPU), pallas (interpreted off a GPU), mosaic (pallas with the Mosaic GPU "
+                     "prefill attention) or reference"),
     ("load_format", str, "auto, or dummy: random weights in the shape --model names (e.g. qwen3-0.6b)"),
     ("num_scheduler_steps", int, "decode steps per device call"),
     ("async_scheduling", None, None),
@@ -191,6 +192,8 @@ def _add_bench_parser(commands) -> None:
                               help="the fraction of device memory the runner may take (default: the engine's)")
         workload.add_argument("--batch-invariant", action="store_true",
                               help="a request's bits do not depend on its batch (the mode's cost)")
+        workload.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                              help="the runner's kernels (mosaic: the Mosaic GPU prefill attention)")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -203,7 +206,7 @@ def bench(args: argparse.Namespace) -> int:
                   async_scheduling=args.async_scheduling, seed=args.seed, peer=args.peer,
                   speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
                   quantization=args.quantization, gpu_memory_utilization=args.gpu_memory_utilization,
-                  batch_invariant=args.batch_invariant)
+                  batch_invariant=args.batch_invariant, kernels=args.kernels)
     if args.workload == "latency":
         module = latency
         result = latency.run(prompt=args.prompt, new=args.new, iters=args.iters, oracle=args.oracle, **common)

@@ -481,7 +481,7 @@ class LoraConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else max(self.max_loras, 1)
 
 
-KERNEL_CHOICES = ("auto", "pallas", "reference")
+KERNEL_CHOICES = ("auto", "pallas", "mosaic", "reference")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
@@ -492,20 +492,25 @@ class Kernels:
     their jnp references; `interpret`: Pallas in interpret mode (a machine without a GPU);
     `num_sms`: the GPU's streaming multiprocessors, which set the decode attention's KV splits;
     `batch_invariant`: the matmuls whose row count is the batch's run tile by tile
-    (`models.row_tiles`), so a row's bits do not depend on the batch (`RunnerConfig.batch_invariant`)."""
+    (`models.row_tiles`), so a row's bits do not depend on the batch (`RunnerConfig.batch_invariant`);
+    `mosaic_attention`: batches that are not all decodes attend through the Mosaic GPU kernel
+    (`pallas_kernels.mosaic_attention`) where it takes the call, the Triton kernel elsewhere."""
 
     pallas: bool
     interpret: bool
     num_sms: int
     batch_invariant: bool = False
+    mosaic_attention: bool = False
 
     @classmethod
     def choose(cls, choice: str, batch_invariant: bool = False) -> Kernels:
-        """"auto": Pallas on a GPU, the references elsewhere; "pallas" off a GPU runs interpreted.
-        `choice` is a `RunnerConfig.kernels`, checked there."""
+        """"auto": Pallas on a GPU, the references elsewhere; "pallas" off a GPU runs interpreted;
+        "mosaic": "pallas" with the Mosaic GPU prefill attention (its mode has no Mosaic form yet:
+        with `batch_invariant` it is "pallas"). `choice` is a `RunnerConfig.kernels`, checked there."""
         gpu = platform.on_gpu()
-        return cls(pallas=choice == "pallas" or (choice == "auto" and gpu), interpret=not gpu, num_sms=platform.num_sms(),
-                   batch_invariant=batch_invariant)
+        return cls(pallas=choice in ("pallas", "mosaic") or (choice == "auto" and gpu), interpret=not gpu,
+                   num_sms=platform.num_sms(), batch_invariant=batch_invariant,
+                   mosaic_attention=choice == "mosaic" and not batch_invariant)
 
 
 @dataclass(frozen=True)
@@ -521,7 +526,7 @@ class RunnerConfig:
     `kv_cache_dtype`: "auto" keeps the pages in `dtype`; "fp8" (or "fp8_e4m3") stores them as float8
     e4m3, keys and values divided by `kv_scales` (vLLM's k_scale and v_scale) as they are written
     and multiplied back as attention reads them: half of bf16's bytes, so twice the blocks.
-    `kernels`: "auto", "pallas" or "reference" (see `Kernels.choose`). `compilation_cache_dir` turns
+    `kernels`: "auto", "pallas", "mosaic" or "reference" (see `Kernels.choose`). `compilation_cache_dir` turns
     on JAX's persistent compilation cache (process-wide) there, and the runner's program cache in
     its `programs` folder (`program_cache`: found without lowering). `batch_invariant`: a request's
     tokens and logprobs do not depend on the batch it runs in (`Kernels.batch_invariant`; under

@@ -3,7 +3,7 @@
 One program handles one *work item* for one KV head and one KV split:
 
 - a work item is up to `block_q` consecutive query tokens of one sequence (built by
-  `ragged_paged_attention._work_list`); its rows are (token, query head of this KV head's group)
+  `ragged_paged_attention.work_list`); its rows are (token, query head of this KV head's group)
   pairs, so the K/V tile loaded for a KV head is used by every query head of its GQA group and by
   every token of the block: `rows = block_q * padded_group` (>= 16, the smallest Triton dot);
 - keys are visited `block_k` at a time; each key's page comes from the block table, so a K tile is

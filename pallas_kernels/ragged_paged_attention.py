@@ -158,7 +158,7 @@ def _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap) -> AttentionS
 
 def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *, spec, cfg,
                interpret):
-    work = _work_list(query_start_loc, seq_lens, num_seqs, num_tokens=q.shape[0], block_q=cfg.block_q)
+    work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=q.shape[0], block_q=cfg.block_q)
     out = paged_attention_call(work, q, k_cache, v_cache, block_tables.astype(jnp.int32), spec=spec,
                                cfg=cfg, interpret=interpret)
     if cfg.num_splits == 1:
@@ -166,7 +166,7 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num
     return combine_splits(*out).astype(q.dtype)
 
 
-def _work_list(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q: int) -> jax.Array:
+def work_list(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q: int) -> jax.Array:
     """Cut every sequence's queries into blocks of <= block_q tokens: [num_work, 4] int32 rows of
     (sequence, first token, end token, position of the first token).
 

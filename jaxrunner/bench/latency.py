@@ -88,6 +88,7 @@ def run(
     quantization: str | None = None,
     gpu_memory_utilization: float | None = None,
     batch_invariant: bool = False,
+    kernels: str = "auto",
 ) -> dict:
     """One warm-up generation (every graph compiled), then `iters` timed ones, each with a fresh
     random prompt; the peer runs first, in its own process, on the same prompts."""
@@ -110,6 +111,8 @@ def run(
     args.update(memory)
     if batch_invariant:
         args.update(batch_invariant=True)
+    if kernels != "auto":
+        args.update(kernels=kernels)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, model.vocab_size, prompt).tolist() for _ in range(iters + 1)]
@@ -132,6 +135,7 @@ def run(
         tensor_parallel_size=tensor_parallel_size,
         quantization=quantization,
         batch_invariant=batch_invariant,
+        kernels=kernels,
         **memory,
     )
     engine = llm.llm_engine

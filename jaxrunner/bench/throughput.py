@@ -48,6 +48,7 @@ def run(
     data_parallel_size: int = 1,
     gpu_memory_utilization: float | None = None,
     batch_invariant: bool = False,
+    kernels: str = "auto",
 ) -> dict:
     """A short warm-up generation (a few requests, prompts of their own so the prefix cache cannot
     serve the timed ones), then one timed `generate` of all the requests; the peer runs first, in
@@ -71,6 +72,8 @@ def run(
     args.update(memory)
     if batch_invariant:
         args.update(batch_invariant=True)
+    if kernels != "auto":
+        args.update(kernels=kernels)
     model = shape(shape_name)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_prompt, max_prompt + 1, num_prompts)
@@ -93,6 +96,7 @@ def run(
         tensor_parallel_size=tensor_parallel_size,
         quantization=quantization,
         batch_invariant=batch_invariant,
+        kernels=kernels,
         **memory,
         data_parallel_size=data_parallel_size,
         **lora_args,

@@ -18,11 +18,13 @@ from jaxrunner.models.llama import MODEL_AXIS
 from jaxrunner.pytree import pytree_dataclass, static_field
 from pallas_kernels import (
     FP8,
+    mosaic_prefill_attention,
     ragged_paged_attention,
     ragged_paged_attention_decode,
     reference_ragged_paged_attention,
     write_kv,
 )
+from pallas_kernels.mosaic_attention import supported as mosaic_supported
 
 FP8_MAX = float(jnp.finfo(FP8).max)
 
@@ -43,7 +45,8 @@ class PagedAttention:
     and the kernel choice its structure), so the jitted decoder layer takes it as an argument.
 
     With Pallas kernels both halves are Pallas (the KV write aliased in place; the
-    decode-specialised attention when every sequence has one query token). Otherwise they are the
+    decode-specialised attention when every sequence has one query token; with `mosaic_attention`
+    the other batches through the Mosaic GPU kernel where it takes them). Otherwise they are the
     pure-jnp scatter and reference, which compute the same function.
     """
 
@@ -85,6 +88,9 @@ class PagedAttention:
             if self.uniform_decode:
                 attention = functools.partial(ragged_paged_attention_decode, num_sms=kernels.num_sms, **options,
                                               queries_per_seq=self.queries_per_seq, interpret=kernels.interpret)
+            elif kernels.mosaic_attention and mosaic_supported(q, k_cache, window, self.soft_cap):
+                attention = functools.partial(mosaic_prefill_attention, sm_scale=options["sm_scale"],
+                                              interpret=kernels.interpret)
             else:
                 attention = functools.partial(ragged_paged_attention, **options, interpret=kernels.interpret,
                                               batch_invariant=kernels.batch_invariant)

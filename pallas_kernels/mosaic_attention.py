@@ -1,0 +1,221 @@
+"""Ragged paged prefill attention as a Mosaic GPU (Hopper) kernel: the runner's attention contract
+(`ragged_paged_attention.py`) on the tensor cores' wgmma, its pages fed by TMA.
+
+The Triton kernel reaches about half of cuDNN's prefill speed (docs/benchmarks.md), and Pallas's
+Triton backend is deprecated. This kernel takes FlashAttention-3's shape: a work item is
+`TILE_ROWS` query tokens of one sequence for one query head (two consumer warpgroups of 64 rows
+each) and one producer warpgroup streams that head's keys and values through shared memory,
+`stages` key blocks in flight. A key block is `block_k` keys: one TMA copy per page of the block
+table, all arriving on the block's barrier, so any page size that divides the block works. Each
+consumer multiplies its queries by the block's keys, runs the online softmax in registers (base 2,
+the scale folded in), and multiplies the probabilities by the values through shared memory; it
+then frees the slot for the producer. TMA copies of the queries and the output start at a multiple
+of the shared-memory tiling, and a sequence's queries start anywhere, so XLA lays the queries out
+tile-major first (a tile past its sequence's end repeats its last token) and gathers each token's
+row back from the tile-major output.
+
+Causal only (a sequence's queries are its last tokens, as the runner lays them out), no sliding
+window, no soft-cap, bf16 pages: `supported` says which calls it takes; the Triton kernel keeps the
+rest. Interpret mode (`plgpu.InterpretGPUParams`) runs it on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import cdiv
+from pallas_kernels.ragged_paged_attention import work_list
+
+WG_ROWS = 64  # query rows per consumer warpgroup: a wgmma's M
+CONSUMERS = 2
+TILE_ROWS = CONSUMERS * WG_ROWS  # query tokens per work item
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Keys per block (a multiple of 64 and of the page size) and key blocks in flight."""
+
+    block_k: int = 64
+    stages: int = 2
+
+
+def supported(q: jax.Array, k_cache: jax.Array, sliding_window: int | None, soft_cap: float | None,
+              config: MosaicConfig = MosaicConfig()) -> bool:
+    """Whether `mosaic_prefill_attention` takes this call."""
+    head_dim, block_size = q.shape[2], k_cache.shape[1]
+    return (q.dtype == k_cache.dtype == jnp.bfloat16 and head_dim in (64, 128, 256) and sliding_window is None
+            and soft_cap is None and config.block_k % 64 == 0 and config.block_k % block_size == 0
+            and q.shape[1] % k_cache.shape[2] == 0)
+
+
+def mosaic_prefill_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    block_tables: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    interpret: bool = False,
+    config: MosaicConfig = MosaicConfig(),
+) -> jax.Array:
+    """Causal attention for a packed ragged batch; [T, Hq, D] as `ragged_paged_attention` gives it
+    (`interpret`: simulated on the CPU)."""
+    if not supported(q, k_cache, None, None, config):
+        raise ValueError(f"mosaic_prefill_attention cannot run q {q.dtype}{q.shape} over pages "
+                         f"{k_cache.dtype}{k_cache.shape} with {config}: see `supported`")
+    num_tokens, num_q_heads, head_dim = q.shape
+    work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=num_tokens, block_q=TILE_ROWS)
+    first = work[:, 1:2]
+    sources = jnp.minimum(first + jnp.arange(TILE_ROWS, dtype=jnp.int32), work[:, 2:3] - 1).reshape(-1)
+    q_tiles = q[jnp.clip(sources, 0, num_tokens - 1)]  # tile-major: a TMA copy starts at a tile's row
+    tiles = _kernel_call(work, q_tiles, k_cache, v_cache, block_tables.astype(jnp.int32), sm_scale, config, interpret)
+    return tiles[_tile_rows(work, num_tokens)]
+
+
+def _tile_rows(work: jax.Array, num_tokens: int) -> jax.Array:
+    """Each token's row in the tile-major output: its work item's tile, at its offset there."""
+    first, end = work[:, 1], work[:, 2]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    inside = (t[None, :] >= first[:, None]) & (t[None, :] < end[:, None])  # [W, T]: one item per token
+    item = jnp.argmax(inside, axis=0).astype(jnp.int32)
+    return item * TILE_ROWS + t - first[item]
+
+
+def _transforms(cols: int) -> tuple:
+    """Shared-memory tiling and swizzle for bf16 rows of `cols` elements, as TMA writes and wgmma reads them."""
+    swizzle = plgpu.find_swizzle(cols * 16, "mosaic_attention")
+    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float, config: MosaicConfig,
+                 interpret: bool) -> jax.Array:
+    num_q_heads, head_dim = q_tiles.shape[1:]
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    block_k, stages = config.block_k, config.stages
+    pages = block_k // block_size
+    max_pages = block_tables.shape[1]
+    num_work = work.shape[0]
+    scale = sm_scale * LOG2E
+
+    def kernel(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped):
+        (q_smem, k_smem, v_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
+        item, head, wg = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("wg")
+        seq, first, end, pos0 = (work_gmem[item, i] for i in range(4))
+        # keys 0 .. the tile's last query position; none for an unused or padding item
+        num_steps = jnp.maximum(cdiv(pos0 + end - first, block_k), 0)
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            rows = pl.ds(item * TILE_ROWS + wg * WG_ROWS, WG_ROWS)
+            plgpu.copy_gmem_to_smem(q_gmem.at[rows, head], q_smem.at[wg], q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            row_pos = pos0 + wg * WG_ROWS + plgpu.broadcasted_iota(
+                jnp.int32, (WG_ROWS, block_k), 0, layout=plgpu.Layout.WGMMA)
+            key_col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
+
+            def step(j, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = jnp.where(key_col + j * block_k <= row_pos, s * scale, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no key yet keeps zeros
+                p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+                alpha = jnp.exp2(m_i - shift)
+                l_i = l_i * alpha + p.sum(axis=1)
+                p_smem[wg] = p.astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                def values(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                    plgpu.wgmma_wait(0)
+                    return acc_ref[...]
+
+                pv = pl.run_scoped(values, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l_i
+
+            rows_layout = plgpu.Layout.WGMMA.reduce(1)
+            init = (plgpu.layout_cast(jnp.zeros((WG_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), rows_layout),
+                    plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), rows_layout))
+            acc, _, l_i = lax.fori_loop(0, num_steps, step, init)
+            l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # padding rows: zeros
+            q_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], out_gmem.at[pl.ds(item * TILE_ROWS + wg * WG_ROWS, WG_ROWS), head])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            kv_head = lax.div(head, group)
+
+            def load(j, carry):
+                slot = lax.rem(j, stages)
+
+                @pl.when(j >= stages)  # the consumers are done with the block this slot held
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                for p in range(pages):
+                    page = table_gmem[seq, jnp.minimum(j * pages + p, max_pages - 1)]
+                    page = jnp.clip(page, 0, num_blocks - 1)
+                    dst = pl.ds(p * block_size, block_size)
+                    plgpu.copy_gmem_to_smem(k_gmem.at[page, :, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(v_gmem.at[page, :, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
+                return carry
+
+            lax.fori_loop(0, num_steps, load, None)
+
+            @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+            def _(j):  # the last blocks' releases: every barrier phase observed before the kernel ends
+                plgpu.barrier_wait(k_free.at[lax.rem(j, stages)])
+                plgpu.barrier_wait(v_free.at[lax.rem(j, stages)])
+
+    def entry(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem):
+        rows = _transforms(head_dim)
+        pl.run_scoped(
+            lambda *scoped: kernel(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped),
+            (plgpu.SMEM((CONSUMERS, WG_ROWS, head_dim), jnp.bfloat16, transforms=rows),
+             plgpu.SMEM((stages, block_k, head_dim), jnp.bfloat16, transforms=rows),
+             plgpu.SMEM((stages, block_k, head_dim), jnp.bfloat16, transforms=rows),
+             plgpu.SMEM((CONSUMERS, WG_ROWS, block_k), jnp.bfloat16, transforms=_transforms(block_k))),
+            (plgpu.Barrier(num_barriers=CONSUMERS),
+             plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=pages, num_barriers=stages)),
+            (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2,
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((num_work * TILE_ROWS, num_q_heads, head_dim), jnp.bfloat16),
+        grid=(num_work, num_q_heads),
+        grid_names=("item", "head"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(work, q_tiles, k_cache, v_cache, block_tables)

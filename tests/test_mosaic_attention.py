@@ -1,0 +1,120 @@
+"""The Mosaic GPU prefill attention (`pallas_kernels/mosaic_attention.py`) against the jnp reference
+on fresh random ragged batches: simulated on the CPU (Mosaic GPU's interpret mode), lowered for
+Hopper at Llama-3-8B's heads, and compiled on the H200 (`-m gpu`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrunner import Runner, RunnerConfig
+from jaxrunner.checkpoints.dummy import random_params, shape
+from jaxrunner.models import attention
+from pallas_kernels import MosaicConfig, mosaic_prefill_attention, reference_ragged_paged_attention
+from pallas_kernels.mosaic_attention import supported
+from tests.driver import drive
+
+
+def ragged_batch(rng, q_lens, contexts, *, heads=(4, 2), head_dim=64, block_size=16, padding=5):
+    """A packed batch: sequence s's last q_lens[s] of contexts[s] tokens, pages shuffled over the pool."""
+    num_q_heads, num_kv_heads = heads
+    pages = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(pages) + 3
+    order = rng.permutation(num_blocks)
+    tables = np.zeros((len(contexts), max(pages) + 2), np.int32)  # unused entries: page 0
+    used = 0
+    for s, n in enumerate(pages):
+        tables[s, :n] = order[used : used + n]
+        used += n
+    tokens = sum(q_lens) + padding
+    q = jnp.asarray(rng.standard_normal((tokens, num_q_heads, head_dim)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim)), jnp.bfloat16)
+            for _ in range(2))
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    return q, k, v, qsl, jnp.asarray(contexts, jnp.int32), jnp.asarray(tables), jnp.int32(len(contexts))
+
+
+@pytest.mark.parametrize("block_k, head_dim, block_size, heads, seed", [
+    (64, 64, 16, (4, 2), 0),
+    (128, 64, 32, (4, 1), 1),
+    (64, 128, 64, (2, 2), 2),
+])
+def test_matches_the_reference_interpreted(block_k, head_dim, block_size, heads, seed):
+    """A prefill chunk behind a cached prefix, a decode, a whole prompt over two tiles, and padding
+    tokens (zeros), at page sizes below, at and inside a key block."""
+    rng = np.random.default_rng(seed)
+    args = ragged_batch(rng, [70, 1, 150], [90, 37, 150], heads=heads, head_dim=head_dim, block_size=block_size)
+    scale = 1 / np.sqrt(head_dim)
+    got = jax.jit(functools.partial(mosaic_prefill_attention, sm_scale=scale, interpret=True,
+                                    config=MosaicConfig(block_k=block_k)))(*args)
+    want = reference_ragged_paged_attention(*args, sm_scale=scale)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+    assert not np.asarray(got, np.float32)[221:].any()  # the padding tokens
+
+
+def test_takes_only_what_it_supports():
+    q = jnp.zeros((8, 4, 128), jnp.bfloat16)
+    pages = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
+    assert supported(q, pages, None, None)
+    assert not supported(q, pages, 512, None)  # a sliding window: the Triton kernel's
+    assert not supported(q, pages, None, 50.0)  # a soft-cap: the same
+    assert not supported(q, pages.astype(jnp.float8_e4m3fn), None, None)  # fp8 pages
+    assert not supported(q, jnp.zeros((4, 16, 2, 128), jnp.bfloat16), None, None, MosaicConfig(block_k=48))
+    with pytest.raises(ValueError, match="mosaic_prefill_attention cannot run q bfloat16"):
+        mosaic_prefill_attention(q, pages, pages, jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32),
+                                 jnp.zeros((1, 2), jnp.int32), jnp.int32(1), sm_scale=1.0,
+                                 config=MosaicConfig(block_k=32))
+
+
+def test_the_runner_attends_through_it_with_kernels_mosaic(monkeypatch):
+    """kernels="mosaic": chunked prefills beside decodes run the Mosaic kernel (the decode form keeps
+    the Triton decode kernel) and give the tokens the Triton kernel gives, in bf16 on random weights
+    with 64-wide heads."""
+    traced = []
+
+    def counted(*args, **kwargs):
+        traced.append(args[0].shape)
+        return mosaic_prefill_attention(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "mosaic_prefill_attention", counted)
+    model = dataclasses.replace(shape("tiny"), head_dim=64)
+    params = random_params(model, "bfloat16", 3)
+    config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=192, num_blocks=64,
+                          dtype="bfloat16", token_buckets=(128,), request_buckets=(4,))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 500, n).tolist() for n in (90, 30, 61)]
+    tokens = {kernels: drive(Runner(model, params, dataclasses.replace(config, kernels=kernels)), prompts, 5,
+                             chunk=40, stagger=1)
+              for kernels in ("mosaic", "pallas")}
+    assert traced and all(shape == (128, 4, 64) for shape in traced)  # the general forward's one bucket
+    assert tokens["mosaic"] == tokens["pallas"]
+
+
+@pytest.mark.parametrize("num_seqs, seq_len, block_k", [(1, 8192, 64), (16, 512, 128)])
+def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k):
+    """The benchmark's cases (`benchmarks/attention.py`): 32 query heads, 8 KV heads, D = 128, page 16."""
+    tokens, pages = num_seqs * seq_len, num_seqs * seq_len // 16
+    args = (jax.ShapeDtypeStruct((tokens, 32, 128), jnp.bfloat16),
+            *[jax.ShapeDtypeStruct((pages, 16, 8, 128), jnp.bfloat16)] * 2,
+            jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+            jax.ShapeDtypeStruct((num_seqs, seq_len // 16), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    f = functools.partial(mosaic_prefill_attention, sm_scale=0.088, config=MosaicConfig(block_k=block_k))
+    assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_k, stages", [(64, 2), (128, 2), (64, 3)])
+def test_compiled_on_the_gpu_matches_the_reference(block_k, stages):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(block_k + stages)
+    args = ragged_batch(rng, [700, 1, 1000, 37], [1200, 300, 1000, 37], heads=(32, 8), head_dim=128)
+    got = jax.jit(functools.partial(mosaic_prefill_attention, sm_scale=0.088,
+                                    config=MosaicConfig(block_k=block_k, stages=stages)))(*args)
+    want = reference_ragged_paged_attention(*args, sm_scale=0.088)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
