@@ -14,6 +14,10 @@ of the shared-memory tiling, and a sequence's queries start anywhere, so XLA lay
 tile-major first (a tile past its sequence's end repeats its last token) and gathers each token's
 row back from the tile-major output.
 
+Sequences with fewer than `DECODE_QUERIES` query tokens (decodes in a mixed batch) go to the Triton
+kernel instead, in the same call: a tile here would hold one row per query head for them, where
+the Triton kernel packs a GQA group's heads into one program's rows.
+
 Causal only (a sequence's queries are its last tokens, as the runner lays them out), no sliding
 window, no soft-cap, bf16 pages: `supported` says which calls it takes; the Triton kernel keeps the
 rest. Interpret mode (`plgpu.InterpretGPUParams`) runs it on the CPU.
@@ -31,12 +35,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import cdiv
-from pallas_kernels.ragged_paged_attention import work_list
+from pallas_kernels.ragged_paged_attention import ALL_QUERIES, ragged_paged_attention, work_list
 
 WG_ROWS = 64  # query rows per consumer warpgroup: a wgmma's M
 CONSUMERS = 2
 TILE_ROWS = CONSUMERS * WG_ROWS  # query tokens per work item
 LOG2E = math.log2(math.e)
+DECODE_QUERIES = 16  # sequences with fewer query tokens run the Triton kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +73,35 @@ def mosaic_prefill_attention(
     sm_scale: float,
     interpret: bool = False,
     config: MosaicConfig = MosaicConfig(),
+    decode_queries: int = DECODE_QUERIES,
 ) -> jax.Array:
     """Causal attention for a packed ragged batch; [T, Hq, D] as `ragged_paged_attention` gives it
-    (`interpret`: simulated on the CPU)."""
+    (`interpret`: simulated on the CPU). Sequences with fewer than `decode_queries` query tokens
+    (decodes, with or without drafts) go to the Triton kernel, which packs a GQA group's heads into
+    one program's rows, where a tile here would hold one row per query head."""
     if not supported(q, k_cache, None, None, config):
         raise ValueError(f"mosaic_prefill_attention cannot run q {q.dtype}{q.shape} over pages "
                          f"{k_cache.dtype}{k_cache.shape} with {config}: see `supported`")
-    num_tokens, num_q_heads, head_dim = q.shape
-    work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=num_tokens, block_q=TILE_ROWS)
+    num_tokens = q.shape[0]
+    args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs)
+    out = _tiled_attention(*args, sm_scale=sm_scale, interpret=interpret, config=config,
+                           queries=(decode_queries, ALL_QUERIES[1]))
+    if not decode_queries:
+        return out
+    short = ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret, queries=(0, decode_queries))
+    total = query_start_loc[num_seqs]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], t, side="right"), query_start_loc.shape[0] - 2)
+    counts = jnp.where(t < total, query_start_loc[seq + 1] - query_start_loc[seq], num_tokens - total)
+    return jnp.where((counts >= decode_queries)[:, None, None], out, short)
+
+
+def _tiled_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *, sm_scale: float,
+                     interpret: bool, config: MosaicConfig, queries: tuple[int, int]) -> jax.Array:
+    """The kernel over the sequences with `queries` query tokens; the other tokens' rows are
+    arbitrary."""
+    num_tokens = q.shape[0]
+    work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=num_tokens, block_q=TILE_ROWS, queries=queries)
     first = work[:, 1:2]
     sources = jnp.minimum(first + jnp.arange(TILE_ROWS, dtype=jnp.int32), work[:, 2:3] - 1).reshape(-1)
     q_tiles = q[jnp.clip(sources, 0, num_tokens - 1)]  # tile-major: a TMA copy starts at a tile's row

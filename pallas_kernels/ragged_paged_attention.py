@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from pallas_kernels.attention_kernel import AttentionSpec, KernelConfig, paged_attention_call
 from pallas_kernels.common import FP8, cdiv, combine_splits, next_pow2, tree_sum
 
+ALL_QUERIES = (0, 1 << 30)  # `work_list`'s default: sequences of any query count
 MIN_SPLIT_KEYS = 512  # a flash-decoding split covers at least this many keys...
 SHORT_SPLIT_KEYS = 128  # ...or, for a batch with fewer (sequence, KV head) pairs than SMs, this many
 
@@ -54,14 +55,16 @@ def ragged_paged_attention(
     interpret: bool = False,
     batch_invariant: bool = False,
     config: KernelConfig | None = None,
+    queries: tuple[int, int] = ALL_QUERIES,
 ) -> jax.Array:
     """Attention for a packed ragged batch (prefill chunks and decodes mixed); returns [T, Hq, D].
-    `batch_invariant`: `invariant_config`'s tiling."""
+    `batch_invariant`: `invariant_config`'s tiling. `queries`: only the sequences with [lo, hi)
+    query tokens (the padding's tokens count as one); the other tokens' rows are left unwritten."""
     spec = _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap)
     tiling = invariant_config if batch_invariant else prefill_config
     cfg = config or tiling(q.dtype, q.shape[2], spec.padded_group)
     return _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
-                      spec=spec, cfg=cfg, interpret=interpret)
+                      spec=spec, cfg=cfg, interpret=interpret, queries=queries)
 
 
 def ragged_paged_attention_decode(
@@ -157,8 +160,8 @@ def _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap) -> AttentionS
 
 
 def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *, spec, cfg,
-               interpret):
-    work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=q.shape[0], block_q=cfg.block_q)
+               interpret, queries=ALL_QUERIES):
+    work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=q.shape[0], block_q=cfg.block_q, queries=queries)
     out = paged_attention_call(work, q, k_cache, v_cache, block_tables.astype(jnp.int32), spec=spec,
                                cfg=cfg, interpret=interpret)
     if cfg.num_splits == 1:
@@ -166,9 +169,11 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num
     return combine_splits(*out).astype(q.dtype)
 
 
-def work_list(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q: int) -> jax.Array:
+def work_list(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q: int,
+              queries: tuple[int, int] = ALL_QUERIES) -> jax.Array:
     """Cut every sequence's queries into blocks of <= block_q tokens: [num_work, 4] int32 rows of
-    (sequence, first token, end token, position of the first token).
+    (sequence, first token, end token, position of the first token). Only sequences with
+    `queries` = [lo, hi) query tokens get blocks (another kernel takes the others).
 
     The padding tail [total, T) is one more pseudo-sequence with no keys, so its tokens get zeros.
     The list has a static length bounding the real count: ceil(T/block_q) + S + 1 (each sequence
@@ -182,6 +187,8 @@ def work_list(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q: 
     starts = jnp.append(jnp.where(live, qsl[:-1], total), total)
     lens = jnp.append(jnp.where(live, qsl[1:] - qsl[:-1], 0), num_tokens - total)
     kv_lens = jnp.append(jnp.where(live, seq_lens.astype(jnp.int32), 0), 0)
+    if queries != ALL_QUERIES:
+        lens = jnp.where((lens >= queries[0]) & (lens < queries[1]), lens, 0)
     blocks = cdiv(lens, block_q)
     ends = jnp.cumsum(blocks)
     num_work = min(num_tokens, cdiv(num_tokens, block_q) + num_slots + 1)

@@ -15,6 +15,7 @@ import pytest
 from jaxrunner import Runner, RunnerConfig
 from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.models import attention
+from jaxrunner.platform import H200
 from pallas_kernels import MosaicConfig, mosaic_prefill_attention, reference_ragged_paged_attention
 from pallas_kernels.mosaic_attention import supported
 from tests.driver import drive
@@ -39,19 +40,20 @@ def ragged_batch(rng, q_lens, contexts, *, heads=(4, 2), head_dim=64, block_size
     return q, k, v, qsl, jnp.asarray(contexts, jnp.int32), jnp.asarray(tables), jnp.int32(len(contexts))
 
 
-@pytest.mark.parametrize("block_k, head_dim, block_size, heads, seed", [
-    (64, 64, 16, (4, 2), 0),
-    (128, 64, 32, (4, 1), 1),
-    (64, 128, 64, (2, 2), 2),
+@pytest.mark.parametrize("block_k, head_dim, block_size, heads, decode_queries, seed", [
+    (64, 64, 16, (4, 2), 16, 0),
+    (128, 64, 32, (4, 1), 0, 1),
+    (64, 128, 64, (2, 2), 16, 2),
 ])
-def test_matches_the_reference_interpreted(block_k, head_dim, block_size, heads, seed):
-    """A prefill chunk behind a cached prefix, a decode, a whole prompt over two tiles, and padding
-    tokens (zeros), at page sizes below, at and inside a key block."""
+def test_matches_the_reference_interpreted(block_k, head_dim, block_size, heads, decode_queries, seed):
+    """A prefill chunk behind a cached prefix, a decode (the Triton kernel's with `decode_queries`,
+    else a tile here), a whole prompt over two tiles, and padding tokens (zeros), at page sizes
+    below, at and inside a key block."""
     rng = np.random.default_rng(seed)
     args = ragged_batch(rng, [70, 1, 150], [90, 37, 150], heads=heads, head_dim=head_dim, block_size=block_size)
     scale = 1 / np.sqrt(head_dim)
     got = jax.jit(functools.partial(mosaic_prefill_attention, sm_scale=scale, interpret=True,
-                                    config=MosaicConfig(block_k=block_k)))(*args)
+                                    config=MosaicConfig(block_k=block_k), decode_queries=decode_queries))(*args)
     want = reference_ragged_paged_attention(*args, sm_scale=scale)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
     assert not np.asarray(got, np.float32)[221:].any()  # the padding tokens
@@ -104,7 +106,9 @@ def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k):
             jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
             jax.ShapeDtypeStruct((num_seqs, seq_len // 16), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     f = functools.partial(mosaic_prefill_attention, sm_scale=0.088, config=MosaicConfig(block_k=block_k))
-    assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with jax.sharding.use_abstract_mesh(H200):  # the decodes' Triton kernel lowers for a GPU it is told of
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" in text
 
 
 @pytest.mark.gpu
