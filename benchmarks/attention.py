@@ -361,8 +361,9 @@ def prefill_sweep() -> dict[str, KernelConfig]:
 
 
 def mosaic_sweep() -> dict[str, MosaicConfig]:
-    return {f"mosaic k{block_k} st{stages}": MosaicConfig(block_k=block_k, stages=stages)
-            for block_k, stages in [(64, 2), (64, 3), (64, 4), (128, 2)]}
+    return {f"mosaic k{block_k} st{stages}{' regs' * registers}": MosaicConfig(block_k, stages, registers)
+            for block_k, stages, registers in [(64, 2, False), (64, 3, False), (64, 4, False), (128, 2, False),
+                                               (64, 2, True), (64, 3, True), (128, 2, True)]}
 
 
 def summary() -> list[str]:

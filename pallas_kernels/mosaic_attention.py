@@ -46,10 +46,15 @@ DECODE_QUERIES = 16  # sequences with fewer query tokens run the Triton kernel
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-    """Keys per block (a multiple of 64 and of the page size) and key blocks in flight."""
+    """Keys per block (a multiple of 64 and of the page size) and key blocks in flight.
+    `registers`: the probabilities stay in registers as P @ V's operand and the accumulator
+    carries over from block to block (FlashAttention-3's form; Mosaic GPU's interpreter cannot run
+    either, so only the GPU tests check it), where by default P goes through shared memory and each
+    block's product lands in a fresh accumulator that registers add up."""
 
     block_k: int = 64
     stages: int = 2
+    registers: bool = False
 
 
 def supported(q: jax.Array, k_cache: jax.Array, sliding_window: int | None, soft_cap: float | None,
@@ -82,6 +87,9 @@ def mosaic_prefill_attention(
     if not supported(q, k_cache, None, None, config):
         raise ValueError(f"mosaic_prefill_attention cannot run q {q.dtype}{q.shape} over pages "
                          f"{k_cache.dtype}{k_cache.shape} with {config}: see `supported`")
+    if interpret and config.registers:
+        raise ValueError("MosaicConfig(registers=True) cannot run in interpret mode (Mosaic GPU's interpreter "
+                         "has no register operands for wgmma); use registers=False off a GPU")
     num_tokens = q.shape[0]
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs)
     out = _tiled_attention(*args, sm_scale=sm_scale, interpret=interpret, config=config,
@@ -169,18 +177,29 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
                 p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
                 alpha = jnp.exp2(m_i - shift)
                 l_i = l_i * alpha + p.sum(axis=1)
-                p_smem[wg] = p.astype(jnp.bfloat16)
-                plgpu.commit_smem()
-                plgpu.barrier_wait(v_bar.at[slot])
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if config.registers:
+                    p16 = p.astype(jnp.bfloat16)
+                    plgpu.barrier_wait(v_bar.at[slot])
 
-                def values(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
-                    plgpu.wgmma_wait(0)
-                    return acc_ref[...]
+                    def carried(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        plgpu.wgmma_wait(0)
 
-                pv = pl.run_scoped(values, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
+                    acc = pl.run_state(carried)(plgpu.ACC.init(acc))
+                else:
+                    p_smem[wg] = p.astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    plgpu.barrier_wait(v_bar.at[slot])
+
+                    def values(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                        plgpu.wgmma_wait(0)
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(values, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
                 plgpu.barrier_arrive(v_free.at[slot])
-                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l_i
+                return acc, m_new, l_i
 
             rows_layout = plgpu.Layout.WGMMA.reduce(1)
             init = (plgpu.layout_cast(jnp.zeros((WG_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),

@@ -67,6 +67,10 @@ def test_takes_only_what_it_supports():
     assert not supported(q, pages, None, 50.0)  # a soft-cap: the same
     assert not supported(q, pages.astype(jnp.float8_e4m3fn), None, None)  # fp8 pages
     assert not supported(q, jnp.zeros((4, 16, 2, 128), jnp.bfloat16), None, None, MosaicConfig(block_k=48))
+    with pytest.raises(ValueError, match=r"registers=True\) cannot run in interpret mode"):
+        mosaic_prefill_attention(q, pages, pages, jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32),
+                                 jnp.zeros((1, 2), jnp.int32), jnp.int32(1), sm_scale=1.0, interpret=True,
+                                 config=MosaicConfig(registers=True))
     with pytest.raises(ValueError, match="mosaic_prefill_attention cannot run q bfloat16"):
         mosaic_prefill_attention(q, pages, pages, jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32),
                                  jnp.zeros((1, 2), jnp.int32), jnp.int32(1), sm_scale=1.0,
@@ -97,28 +101,32 @@ def test_the_runner_attends_through_it_with_kernels_mosaic(monkeypatch):
     assert tokens["mosaic"] == tokens["pallas"]
 
 
-@pytest.mark.parametrize("num_seqs, seq_len, block_k", [(1, 8192, 64), (16, 512, 128)])
-def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k):
-    """The benchmark's cases (`benchmarks/attention.py`): 32 query heads, 8 KV heads, D = 128, page 16."""
+@pytest.mark.parametrize("num_seqs, seq_len, block_k, registers", [(1, 8192, 64, False), (16, 512, 128, False),
+                                                                   (1, 8192, 64, True)])
+def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k, registers):
+    """The benchmark's cases (`benchmarks/attention.py`): 32 query heads, 8 KV heads, D = 128, page 16;
+    FlashAttention-3's register form too, which only lowering checks off a GPU."""
     tokens, pages = num_seqs * seq_len, num_seqs * seq_len // 16
     args = (jax.ShapeDtypeStruct((tokens, 32, 128), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((pages, 16, 8, 128), jnp.bfloat16)] * 2,
             jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
             jax.ShapeDtypeStruct((num_seqs, seq_len // 16), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    f = functools.partial(mosaic_prefill_attention, sm_scale=0.088, config=MosaicConfig(block_k=block_k))
+    f = functools.partial(mosaic_prefill_attention, sm_scale=0.088,
+                          config=MosaicConfig(block_k=block_k, registers=registers))
     with jax.sharding.use_abstract_mesh(H200):  # the decodes' Triton kernel lowers for a GPU it is told of
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" in text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_k, stages", [(64, 2), (128, 2), (64, 3)])
-def test_compiled_on_the_gpu_matches_the_reference(block_k, stages):
+@pytest.mark.parametrize("block_k, stages, registers", [(64, 2, False), (128, 2, False), (64, 3, False),
+                                                        (64, 2, True), (128, 2, True)])
+def test_compiled_on_the_gpu_matches_the_reference(block_k, stages, registers):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     rng = np.random.default_rng(block_k + stages)
     args = ragged_batch(rng, [700, 1, 1000, 37], [1200, 300, 1000, 37], heads=(32, 8), head_dim=128)
     got = jax.jit(functools.partial(mosaic_prefill_attention, sm_scale=0.088,
-                                    config=MosaicConfig(block_k=block_k, stages=stages)))(*args)
+                                    config=MosaicConfig(block_k=block_k, stages=stages, registers=registers)))(*args)
     want = reference_ragged_paged_attention(*args, sm_scale=0.088)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
