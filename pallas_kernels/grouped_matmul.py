@@ -60,12 +60,15 @@ def plan_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret: bool = False,
                    block_m: int = 0, block_n: int = 0, block_k: int = 0, k_splits: int = 1,
-                   spread_splits: bool = False, rhs_transposed: bool = False, out_dtype=None) -> jax.Array:
+                   spread_splits: bool = False, min_programs: int = 0, rhs_transposed: bool = False,
+                   out_dtype=None) -> jax.Array:
     """[M, N] in `out_dtype` (default lhs's) for lhs [M, K], rhs [E, K, N] ([E, N, K] when
     `rhs_transposed`: a tied LM head is the embedding [vocab, hidden] as it is held), group_sizes
     [E] (as `ragged_dot`), in tiles of `block_m` rows (0: `block_rows`) by `block_n` columns (0: up
     to 128), K `block_k` at a time (0: up to 64) in `k_splits` ranges (`spread_splits`: a program
-    each)."""
+    each). `min_programs`: where the tiles that can hold rows give fewer programs (a decode's few
+    rows), K is cut into more ranges, a program each (ranges of 256 rows of K at least), so that
+    every SM streams weights; the sums' order then follows M."""
     num_rows, k = lhs.shape
     num_groups, k_rhs, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if rhs_transposed else rhs.shape
     if k_rhs != k or not supported(k, n):
@@ -80,6 +83,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
     block_m = block_m or block_rows(num_rows, num_groups)
     plan = plan_tiles(group_sizes, num_rows, block_m)
     block_n, block_k = block_n or math.gcd(n, 128), block_k or math.gcd(k // k_splits, 64)
+    programs = min(plan.shape[0], num_rows) * (n // block_n)  # of tiles that can hold a row
+    while programs * k_splits < min_programs and k % (2 * k_splits * block_k) == 0 and k // (2 * k_splits) >= 256:
+        k_splits, spread_splits = 2 * k_splits, True
     if k_splits < 1 or k % (k_splits * block_k):
         raise ValueError(f"grouped_matmul cannot cut K={k} into k_splits={k_splits} ranges of whole "
                          f"block_k={block_k} steps")

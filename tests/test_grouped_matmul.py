@@ -40,6 +40,20 @@ def test_equals_ragged_dot(rows, k, n, groups, past):
     assert block_rows(rows, groups) == (128 if rows == 700 else 16)
 
 
+def test_a_decodes_few_rows_spread_k_over_programs():
+    """`min_programs`: 5 rows over 4 experts give at most 5 tiles x 2 column blocks; K = 1024 is cut
+    into 4 ranges of 256 (a program each) to reach 40 programs; the product stays ragged_dot's."""
+    rng = np.random.default_rng(12)
+    lhs = jnp.asarray(rng.standard_normal((5, 1024)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((4, 1024, 256)), jnp.float32)
+    sizes = jnp.asarray([2, 0, 1, 2], jnp.int32)
+    product = functools.partial(grouped_matmul, interpret=True, min_programs=40)
+    assert "grouped_matmul_m16_n128_k64_s4_spread" in str(jax.make_jaxpr(product)(lhs, rhs, sizes))
+    with jax.default_matmul_precision("highest"):
+        want = jax.lax.ragged_dot(lhs, rhs, sizes)
+        np.testing.assert_allclose(np.asarray(product(lhs, rhs, sizes)), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
 def test_k_ranges_give_the_same_bits_spread_over_programs_or_in_one():
     """K in 4 ranges, each summed from zero, then added in order: a range per program (float32
     partials added by XLA after) or all in one program, the same bits, for 3 rows or 100, groups
@@ -68,7 +82,8 @@ def test_k_ranges_give_the_same_bits_spread_over_programs_or_in_one():
 def test_the_pallas_kernels_choose_it_for_moe_models():
     """The kernel with the Pallas kernels, XLA's ragged_dot without; batch-invariant, both in fixed tiles."""
     model = shape("qwen3-30b-a3b")
-    assert moe_matmul(Kernels.choose("pallas"), model).func is grouped_matmul
+    chosen = moe_matmul(Kernels.choose("pallas"), model)
+    assert chosen.func is grouped_matmul and chosen.keywords["min_programs"] == 2 * Kernels.choose("pallas").num_sms
     assert moe_matmul(Kernels.choose("reference"), model) is jax.lax.ragged_dot
     fixed = moe_matmul(Kernels.choose("pallas", batch_invariant=True), model)
     assert fixed.func is grouped_matmul and fixed.keywords["block_m"] == GROUPED_TILE_ROWS
@@ -76,16 +91,20 @@ def test_the_pallas_kernels_choose_it_for_moe_models():
     assert fixed.func is grouped_matmul_in_tiles and fixed.keywords["block_m"] == GROUPED_TILE_ROWS
 
 
-@pytest.mark.parametrize("tokens", [16, 8192])
-def test_lowers_to_triton_for_the_h200(tokens):
+@pytest.mark.parametrize("tokens, name", [(1, "grouped_matmul_m16_n128_k64_s4_spread"), (16, "grouped_matmul_m16_n128_k64\""),
+                                          (8192, "grouped_matmul_m128_n128_k64\"")])
+def test_lowers_to_triton_for_the_h200(tokens, name):
+    """At the Qwen3-30B-A3B expert shapes, as the runner calls it (a decode of one token spreads
+    gate|up's K over 4 programs per tile and column block)."""
     model = shape("qwen3-30b-a3b")
     e, h, i = model.num_experts, model.hidden_size, model.intermediate_size
     copies = tokens * model.num_experts_per_tok
     args = (jax.ShapeDtypeStruct((copies, h), jnp.bfloat16), jax.ShapeDtypeStruct((e, h, 2 * i), jnp.bfloat16),
             jax.ShapeDtypeStruct((e,), jnp.int32))
     with jax.sharding.use_abstract_mesh(H200):
-        text = jax.jit(grouped_matmul).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "grouped_matmul_m" in text
+        text = jax.jit(functools.partial(grouped_matmul, min_programs=264)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert name in text
 
 
 @pytest.mark.parametrize("rows, name", [(1, "grouped_matmul_m64_n128_k64_s8_spread"), (2048, "grouped_matmul_m64_n128_k64_s8\"")])

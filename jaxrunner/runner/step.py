@@ -135,14 +135,16 @@ def resolve_positions(state: RunnerState, inp: TokenInputs) -> TokenInputs:
 @functools.cache
 def moe_matmul(kernels: Kernels, model: ModelConfig) -> GroupedMatmul:
     """The MoE MLP's grouped matmul: the Pallas kernel along with the Pallas attention (XLA's
-    `ragged_dot` reads every expert's weights), where its shapes allow; else `ragged_dot`.
+    `ragged_dot` reads every expert's weights), where its shapes allow, a decode's few rows with
+    K spread over programs enough for two per SM; else `ragged_dot`.
     Batch-invariant, in tiles of GROUPED_TILE_ROWS rows (the kernel's, or the same tiles through
     XLA), so a row's products do not depend on what the batch routes beside it. Cached, so each
     choice is one object: the jitted decoder layer takes it as a static argument."""
     fixed = dict(block_m=GROUPED_TILE_ROWS) if kernels.batch_invariant else {}
     if kernels.pallas and supported(model.hidden_size, 2 * model.intermediate_size) and supported(
             model.intermediate_size, model.hidden_size):
-        return functools.partial(grouped_matmul, interpret=kernels.interpret, **fixed)
+        spread = {} if kernels.batch_invariant else dict(min_programs=2 * kernels.num_sms)
+        return functools.partial(grouped_matmul, interpret=kernels.interpret, **fixed, **spread)
     return functools.partial(grouped_matmul_in_tiles, **fixed) if fixed else jax.lax.ragged_dot
 
 
