@@ -26,6 +26,7 @@ rest. Interpret mode (`plgpu.InterpretGPUParams`) runs it on the CPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -145,7 +146,9 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
 
     def kernel(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped):
         (q_smem, k_smem, v_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
-        item, head, wg = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("wg")
+        # the last items first: a sequence's last tiles see the most keys, so they should not be the tail
+        item = num_work - 1 - lax.axis_index("item")
+        head, wg = lax.axis_index("head"), lax.axis_index("wg")
         seq, first, end, pos0 = (work_gmem[item, i] for i in range(4))
         # keys 0 .. the tile's last query position; none for an unused or padding item
         num_steps = jnp.maximum(cdiv(pos0 + end - first, block_k), 0)
@@ -159,7 +162,7 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
                 jnp.int32, (WG_ROWS, block_k), 0, layout=plgpu.Layout.WGMMA)
             key_col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
 
-            def step(j, carry):
+            def step(j, carry, masked: bool):
                 acc, m_i, l_i = carry
                 slot = lax.rem(j, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
@@ -171,7 +174,7 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
 
                 s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = jnp.where(key_col + j * block_k <= row_pos, s * scale, -jnp.inf)
+                s = jnp.where(key_col + j * block_k <= row_pos, s * scale, -jnp.inf) if masked else s * scale
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no key yet keeps zeros
                 p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
@@ -205,7 +208,10 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
             init = (plgpu.layout_cast(jnp.zeros((WG_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), rows_layout),
                     plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), rows_layout))
-            acc, _, l_i = lax.fori_loop(0, num_steps, step, init)
+            # blocks every row of this warpgroup sees whole need no mask; the diagonal's do
+            whole = jnp.clip(lax.div(pos0 + wg * WG_ROWS + 1, block_k), 0, num_steps)
+            carry = lax.fori_loop(0, whole, functools.partial(step, masked=False), init)
+            acc, _, l_i = lax.fori_loop(whole, num_steps, functools.partial(step, masked=True), carry)
             l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # padding rows: zeros
             q_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
             plgpu.commit_smem()
