@@ -58,18 +58,24 @@ def split_count(n: int, steps: int, num_sms: int) -> int:
     return splits if steps % splits == 0 and steps // splits >= 1 else 1
 
 
-def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, num_sms: int) -> jax.Array:
-    """x [M, K] @ (values [N, K] scaled by scales [G, N])^T in x's dtype, [M, N]."""
+def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, num_sms: int,
+                     interpret: bool = False) -> jax.Array:
+    """x [M, K] @ (values [N, K] scaled by scales [G, N])^T in x's dtype, [M, N]. `interpret`:
+    simulated on the CPU, fp8 only (Mosaic GPU's interpreter has no register operand for wgmma,
+    which int8's widened tiles are)."""
+    if interpret and values.dtype != jnp.float8_e4m3fn:
+        raise ValueError("quantized_matmul interprets fp8 weights only: int8's widened tiles are a register "
+                         "operand, which Mosaic GPU's interpreter cannot run")
     if not supported(x.shape[0], values, scales):
         raise ValueError(f"quantized_matmul cannot run x {x.shape} by {values.dtype} {values.shape} with "
                          f"{scales.shape[0]} scale groups: see `supported`")
     if values.dtype == jnp.float8_e4m3fn:
         xq, x_scales = fp8_rows(x)
         step = 128 if values.shape[1] % 128 == 0 else 64  # K per pipeline step: one swizzled row of 128 bytes or 64
-        partial = _partial_sums(xq, values, scales, step, num_sms)
+        partial = _partial_sums(xq, values, scales, step, num_sms, interpret)
         return (partial.sum(0).T * x_scales * scales[0]).astype(x.dtype)
     step = values.shape[1] // scales.shape[0]
-    return _partial_sums(x.astype(jnp.bfloat16), values, scales, step, num_sms).sum(0).T.astype(x.dtype)
+    return _partial_sums(x.astype(jnp.bfloat16), values, scales, step, num_sms, interpret).sum(0).T.astype(x.dtype)
 
 
 def fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -88,7 +94,8 @@ def _transforms(cols: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array, step: int, num_sms: int) -> jax.Array:
+def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array, step: int, num_sms: int,
+                  interpret: bool) -> jax.Array:
     """float32 [splits, N, M]: each K range's W @ x^T, int8 tiles scaled per group as they widen."""
     m, k = x.shape
     n = values.shape[0]
@@ -131,4 +138,5 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array, step: int,
         grid_names=("n", "split"),
         scratch_types=dict(out_smem=plgpu.SMEM((TILE_N, m), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(x, values, scales)

@@ -1,7 +1,8 @@
 """The Mosaic GPU kernel for decode-shaped quantized matmuls (`pallas_kernels/quantized_matmul.py`).
 
 Without a GPU: the kernel lowers for Hopper (Mosaic GPU lowers on any machine; only its PTX needs the
-GPU), and `quantization.matmul` sends decode-shaped fp8 and int8 calls to it and the rest to XLA.
+GPU), its fp8 form runs in Mosaic GPU's interpreter against a numpy reference, and
+`quantization.matmul` sends decode-shaped fp8 and int8 calls to it and the rest to XLA.
 On the H200 (`-m gpu`): the kernel against a numpy reference on fresh random weights, and a
 quantized model whose programs run it scoring a prompt as the same model does through XLA.
 """
@@ -70,6 +71,21 @@ def _reference(x: np.ndarray, values: np.ndarray, scales: np.ndarray, fp8: bool)
         scale = np.abs(x).max(axis=1, keepdims=True) / 448
         x = (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
     return x @ w.reshape(n, k).T
+
+
+@pytest.mark.parametrize("k, n, rows", [(4096, 256, 16), (192, 128, 8)])
+def test_the_fp8_kernel_interpreted_matches_the_reference(k, n, rows):
+    """The fp8 form simulated on the CPU (Mosaic GPU's interpreter): 2 K ranges of 16 steps of 128,
+    then 3 steps of 64 in one range; int8's register operand cannot be interpreted."""
+    rng = np.random.default_rng(k + rows)
+    w = quantize(jnp.asarray(rng.standard_normal((k, n)) * rng.uniform(0.01, 1, (1, n)), jnp.float32), "fp8")
+    x = np.asarray(jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16).astype(jnp.float32))
+    got = kernel.quantized_matmul(jnp.asarray(x, jnp.bfloat16), w.values, w.scales, num_sms=2, interpret=True)
+    want = _reference(x, np.asarray(w.values.astype(jnp.float32)), np.asarray(w.scales), True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    held = quantize(jnp.zeros((256, 128), jnp.float32), "int8")
+    with pytest.raises(ValueError, match="interprets fp8 weights only"):
+        kernel.quantized_matmul(jnp.zeros((8, 256), jnp.bfloat16), held.values, held.scales, num_sms=2, interpret=True)
 
 
 @pytest.mark.gpu
