@@ -43,6 +43,7 @@ CONSUMERS = 2
 TILE_ROWS = CONSUMERS * WG_ROWS  # query tokens per work item
 LOG2E = math.log2(math.e)
 DECODE_QUERIES = 16  # sequences with fewer query tokens run the Triton kernel
+SHARED_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,14 @@ def supported(q: jax.Array, k_cache: jax.Array, sliding_window: int | None, soft
     head_dim, block_size = q.shape[2], k_cache.shape[1]
     return (q.dtype == k_cache.dtype == jnp.bfloat16 and head_dim in (64, 128, 256) and sliding_window is None
             and soft_cap is None and config.block_k % 64 == 0 and config.block_k % block_size == 0
-            and q.shape[1] % k_cache.shape[2] == 0)
+            and q.shape[1] % k_cache.shape[2] == 0 and shared_bytes(head_dim, config) <= SHARED_BYTES)
+
+
+def shared_bytes(head_dim: int, config: MosaicConfig) -> int:
+    """A CTA's shared memory: its queries (the output after), the key and value blocks in flight,
+    and the probabilities."""
+    rows = CONSUMERS * WG_ROWS
+    return 2 * (rows * head_dim + 2 * config.stages * config.block_k * head_dim + rows * config.block_k)
 
 
 def mosaic_prefill_attention(

@@ -67,6 +67,9 @@ def test_takes_only_what_it_supports():
     assert not supported(q, pages, None, 50.0)  # a soft-cap: the same
     assert not supported(q, pages.astype(jnp.float8_e4m3fn), None, None)  # fp8 pages
     assert not supported(q, jnp.zeros((4, 16, 2, 128), jnp.bfloat16), None, None, MosaicConfig(block_k=48))
+    wide = jnp.zeros((8, 4, 256), jnp.bfloat16)  # D = 256: 128 keys a block overflow shared memory, 64 fit
+    assert not supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), None, None, MosaicConfig(block_k=128))
+    assert supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), None, None, MosaicConfig(block_k=64))
     with pytest.raises(ValueError, match=r"registers=True\) cannot run in interpret mode"):
         mosaic_prefill_attention(q, pages, pages, jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32),
                                  jnp.zeros((1, 2), jnp.int32), jnp.int32(1), sm_scale=1.0, interpret=True,
