@@ -345,11 +345,12 @@ class ModelConfig:
         )
 
 
-def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+def _powers(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
+    """lo, lo * factor, ... below hi, then hi."""
     sizes, n = [], lo
     while n < hi:
         sizes.append(n)
-        n *= 2
+        n *= factor
     return tuple(sizes) + (hi,)
 
 
@@ -586,9 +587,9 @@ class RunnerConfig:
                              "use one of them")
         if not self.token_buckets:
             lo = min(16, self.max_num_batched_tokens)
-            object.__setattr__(self, "token_buckets", _powers_of_two(lo, self.max_num_batched_tokens))
-        if not self.request_buckets:
-            object.__setattr__(self, "request_buckets", _powers_of_two(1, self.max_num_seqs))
+            object.__setattr__(self, "token_buckets", _powers(lo, self.max_num_batched_tokens))
+        if not self.request_buckets:  # powers of 4: a sampler's rows cost little, its programs' start-up much
+            object.__setattr__(self, "request_buckets", _powers(1, self.max_num_seqs, 4))
 
     def check_model(self, model: ModelConfig, draft: ModelConfig | None = None) -> None:
         """Raise a ValueError naming what keeps this config from running `model` (as its checkpoint

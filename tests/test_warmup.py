@@ -108,6 +108,20 @@ def test_a_background_warm_up_steps_with_the_buckets_ready_and_never_compiles_on
     assert runner.programs.asked <= runner.programs.warm and runner.programs.compiled_on_use == 0
 
 
+def test_the_gpu_default_warms_up_a_sampler_per_variant_for_each_power_of_four():
+    """Start-up's program count at the engine's GPU sizes (256 sequences, 8192 tokens): request
+    buckets of powers of four, 12 sampler variants each, one forward per token bucket and one more
+    for each decode bucket; listing the programs lowers nothing."""
+    model, params = load_model(MODEL)
+    config = RunnerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=1024, num_blocks=64,
+                          kernels="pallas")
+    assert config.request_buckets == (1, 4, 16, 64, 256)
+    kinds = [p.kind.name for p in Runner(model, params, config).programs.warmup_programs()]
+    assert kinds.count("sample") == 12 * 5
+    assert kinds.count("forward") == 10 + 5  # 16 .. 8192 tokens; decodes of 16 .. 256
+    assert len(kinds) == 95
+
+
 def test_a_step_lowers_its_layer_once_for_all_layers():
     # Lowering each layer (on a GPU, its Pallas kernels into Triton) was most of start-up.
     model = dataclasses.replace(shape("tiny"), num_layers=4)
