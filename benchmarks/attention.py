@@ -361,9 +361,12 @@ def prefill_sweep() -> dict[str, KernelConfig]:
 
 
 def mosaic_sweep() -> dict[str, MosaicConfig]:
-    return {f"mosaic k{block_k} st{stages}{' regs' * registers}": MosaicConfig(block_k, stages, registers)
-            for block_k, stages, registers in [(64, 2, False), (64, 3, False), (64, 4, False), (128, 2, False),
-                                               (64, 2, True), (64, 3, True), (128, 2, True)]}
+    return {f"mosaic k{block_k} st{stages}{' regs' * registers}{' pingpong' * pingpong}":
+            MosaicConfig(block_k, stages, registers, pingpong)
+            for block_k, stages, registers, pingpong in [
+                (64, 2, False, False), (64, 3, False, False), (64, 4, False, False), (128, 2, False, False),
+                (64, 2, True, False), (64, 3, True, False), (128, 2, True, False),
+                (64, 2, False, True), (64, 2, True, True), (128, 2, True, True)]}
 
 
 def summary() -> list[str]:

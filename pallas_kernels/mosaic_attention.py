@@ -52,11 +52,14 @@ class MosaicConfig:
     `registers`: the probabilities stay in registers as P @ V's operand and the accumulator
     carries over from block to block (FlashAttention-3's form; Mosaic GPU's interpreter cannot run
     either, so only the GPU tests check it), where by default P goes through shared memory and each
-    block's product lands in a fresh accumulator that registers add up."""
+    block's product lands in a fresh accumulator that registers add up. `pingpong`: the two
+    consumers take turns at the tensor cores (FlashAttention-3's schedule: one's matmuls run while
+    the other's softmax does)."""
 
     block_k: int = 64
     stages: int = 2
     registers: bool = False
+    pingpong: bool = False
 
 
 def supported(q: jax.Array, k_cache: jax.Array, sliding_window: int | None, soft_cap: float | None,
@@ -153,7 +156,7 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
     scale = sm_scale * LOG2E
 
     def kernel(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped):
-        (q_smem, k_smem, v_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
+        (q_smem, k_smem, v_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free), turns = scoped
         # the last items first: a sequence's last tiles see the most keys, so they should not be the tail
         item = num_work - 1 - lax.axis_index("item")
         head, wg = lax.axis_index("head"), lax.axis_index("wg")
@@ -170,13 +173,27 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
                 jnp.int32, (WG_ROWS, block_k), 0, layout=plgpu.Layout.WGMMA)
             key_col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
 
+            def take_turns():
+                plgpu.barrier_arrive(turns)
+                plgpu.barrier_wait(turns)
+
             def step(j, carry, masked: bool):
                 acc, m_i, l_i = carry
                 slot = lax.rem(j, stages)
+
+                def softmax_done():  # then wait for the values, and with pingpong for the tensor cores
+                    if config.pingpong:
+                        plgpu.barrier_arrive(turns)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    if config.pingpong:
+                        plgpu.barrier_wait(turns)
+
                 plgpu.barrier_wait(k_bar.at[slot])
 
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
+                    if config.pingpong:  # issued: the other consumer's turn
+                        take_turns()
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
@@ -191,7 +208,7 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if config.registers:
                     p16 = p.astype(jnp.bfloat16)
-                    plgpu.barrier_wait(v_bar.at[slot])
+                    softmax_done()
 
                     def carried(acc_ref):
                         plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
@@ -201,7 +218,7 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
                 else:
                     p_smem[wg] = p.astype(jnp.bfloat16)
                     plgpu.commit_smem()
-                    plgpu.barrier_wait(v_bar.at[slot])
+                    softmax_done()
 
                     def values(acc_ref):
                         plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
@@ -218,8 +235,12 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
                     plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), rows_layout))
             # blocks every row of this warpgroup sees whole need no mask; the diagonal's do
             whole = jnp.clip(lax.div(pos0 + wg * WG_ROWS + 1, block_k), 0, num_steps)
+            if config.pingpong:
+                pl.when(wg == 1)(take_turns)  # the first consumer goes first
             carry = lax.fori_loop(0, whole, functools.partial(step, masked=False), init)
             acc, _, l_i = lax.fori_loop(whole, num_steps, functools.partial(step, masked=True), carry)
+            if config.pingpong:
+                pl.when(wg == 0)(take_turns)  # as many turns taken by each
             l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # padding rows: zeros
             q_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
             plgpu.commit_smem()
@@ -265,6 +286,7 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
              plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages, num_barriers=stages)),
             (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=CONSUMERS),
             collective_axes="wg",
         )
 

@@ -46,8 +46,8 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
               num_scheduler_steps=4, enforce_eager=False, kernels=kernels)
     programs = llm.llm_engine.runner.programs
     # 2 token buckets x (backbone + prompt logprobs) + the decode forms (the 16-token bucket holds a
-    # decode batch); 3 request buckets x (block and token-row writes + 12 sampler variants + 2 decode loops)
-    assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + 3 * (2 + 12 + 2)
+    # decode batch); 2 request buckets (1, 4) x (block and token-row writes + 12 sampler variants + 2 decode loops)
+    assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + 2 * (2 + 12 + 2)
     total = len(programs.warm)
     assert caplog.messages[-1].startswith(f"warm-up: {total} of {total} programs ready")
     prompts = ["Hello there, how are", "A longer prompt that needs a second chunk of tokens", "x", "Once upon a time"]
@@ -66,9 +66,9 @@ def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     runner = Runner(cfg, params, config)
     heard = []
     report = runner.warmup(lambda done, total: heard.append((done, total)))
-    # 3 token buckets x (backbone + prompt logprobs), 3 request buckets x (block and token-row writes + 12
+    # 3 token buckets x (backbone + prompt logprobs), 2 request buckets (1, 4) x (block and token-row writes + 12
     # sampler variants), and with the Pallas kernels the decode form of the one token bucket a decode batch lands in
-    assert report["programs"] == 3 * 2 + 3 * 14 + runner.kernels.pallas and report["kv_cache_tokens"] == 512
+    assert report["programs"] == 3 * 2 + 2 * 14 + runner.kernels.pallas and report["kv_cache_tokens"] == 512
     # once before compiling (what was ready already), then once per program compiled, up to all of them
     total = report["programs"]
     assert heard == [(total - report["compiled"] + i, total) for i in range(report["compiled"] + 1)]
