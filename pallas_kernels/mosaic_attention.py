@@ -1,7 +1,7 @@
 """Ragged paged prefill attention as a Mosaic GPU (Hopper) kernel: the runner's attention contract
 (`ragged_paged_attention.py`) on the tensor cores' wgmma, its pages fed by TMA.
 
-The Triton kernel reaches about half of cuDNN's prefill speed (docs/benchmarks.md), and Pallas's
+The Triton kernel falls well short of cuDNN's prefill speed (docs/benchmarks.md), and Pallas's
 Triton backend is deprecated. This kernel takes FlashAttention-3's shape: a work item is
 `TILE_ROWS` query tokens of one sequence for one query head (two consumer warpgroups of 64 rows
 each) and one producer warpgroup streams that head's keys and values through shared memory,
