@@ -18,8 +18,9 @@ Sequences with fewer than `DECODE_QUERIES` query tokens (decodes in a mixed batc
 kernel instead, in the same call: a tile here would hold one row per query head for them, where
 the Triton kernel packs a GQA group's heads into one program's rows.
 
-Causal only (a sequence's queries are its last tokens, as the runner lays them out), no sliding
-window, no soft-cap, bf16 pages: `supported` says which calls it takes; the Triton kernel keeps the
+Causal (a sequence's queries are its last tokens, as the runner lays them out), with a sliding
+window (from the block of the tile's first key on, every block masked) and a soft-cap where the
+model has them, over bf16 pages: `supported` says which calls it takes; the Triton kernel keeps the
 rest. Interpret mode (`plgpu.InterpretGPUParams`) runs it on the CPU.
 """
 
@@ -62,12 +63,11 @@ class MosaicConfig:
     pingpong: bool = False
 
 
-def supported(q: jax.Array, k_cache: jax.Array, sliding_window: int | None, soft_cap: float | None,
-              config: MosaicConfig = MosaicConfig()) -> bool:
+def supported(q: jax.Array, k_cache: jax.Array, config: MosaicConfig = MosaicConfig()) -> bool:
     """Whether `mosaic_prefill_attention` takes this call."""
     head_dim, block_size = q.shape[2], k_cache.shape[1]
-    return (q.dtype == k_cache.dtype == jnp.bfloat16 and head_dim in (64, 128, 256) and sliding_window is None
-            and soft_cap is None and config.block_k % 64 == 0 and config.block_k % block_size == 0
+    return (q.dtype == k_cache.dtype == jnp.bfloat16 and head_dim in (64, 128, 256)
+            and config.block_k % 64 == 0 and config.block_k % block_size == 0
             and q.shape[1] % k_cache.shape[2] == 0 and shared_bytes(head_dim, config) <= SHARED_BYTES)
 
 
@@ -88,6 +88,8 @@ def mosaic_prefill_attention(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
     interpret: bool = False,
     config: MosaicConfig = MosaicConfig(),
     decode_queries: int = DECODE_QUERIES,
@@ -96,7 +98,7 @@ def mosaic_prefill_attention(
     (`interpret`: simulated on the CPU). Sequences with fewer than `decode_queries` query tokens
     (decodes, with or without drafts) go to the Triton kernel, which packs a GQA group's heads into
     one program's rows, where a tile here would hold one row per query head."""
-    if not supported(q, k_cache, None, None, config):
+    if not supported(q, k_cache, config):
         raise ValueError(f"mosaic_prefill_attention cannot run q {q.dtype}{q.shape} over pages "
                          f"{k_cache.dtype}{k_cache.shape} with {config}: see `supported`")
     if interpret and config.registers:
@@ -104,11 +106,11 @@ def mosaic_prefill_attention(
                          "has no register operands for wgmma); use registers=False off a GPU")
     num_tokens = q.shape[0]
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs)
-    out = _tiled_attention(*args, sm_scale=sm_scale, interpret=interpret, config=config,
-                           queries=(decode_queries, ALL_QUERIES[1]))
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+    out = _tiled_attention(*args, **options, config=config, queries=(decode_queries, ALL_QUERIES[1]))
     if not decode_queries:
         return out
-    short = ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret, queries=(0, decode_queries))
+    short = ragged_paged_attention(*args, **options, queries=(0, decode_queries))
     total = query_start_loc[num_seqs]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], t, side="right"), query_start_loc.shape[0] - 2)
@@ -117,7 +119,8 @@ def mosaic_prefill_attention(
 
 
 def _tiled_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *, sm_scale: float,
-                     interpret: bool, config: MosaicConfig, queries: tuple[int, int]) -> jax.Array:
+                     sliding_window: int | None, soft_cap: float | None, interpret: bool, config: MosaicConfig,
+                     queries: tuple[int, int]) -> jax.Array:
     """The kernel over the sequences with `queries` query tokens; the other tokens' rows are
     arbitrary."""
     num_tokens = q.shape[0]
@@ -125,7 +128,8 @@ def _tiled_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table
     first = work[:, 1:2]
     sources = jnp.minimum(first + jnp.arange(TILE_ROWS, dtype=jnp.int32), work[:, 2:3] - 1).reshape(-1)
     q_tiles = q[jnp.clip(sources, 0, num_tokens - 1)]  # tile-major: a TMA copy starts at a tile's row
-    tiles = _kernel_call(work, q_tiles, k_cache, v_cache, block_tables.astype(jnp.int32), sm_scale, config, interpret)
+    tiles = _kernel_call(work, q_tiles, k_cache, v_cache, block_tables.astype(jnp.int32), sm_scale, sliding_window,
+                         soft_cap, config, interpret)
     return tiles[_tile_rows(work, num_tokens)]
 
 
@@ -144,8 +148,8 @@ def _transforms(cols: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
 
-def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float, config: MosaicConfig,
-                 interpret: bool) -> jax.Array:
+def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float, sliding_window: int | None,
+                 soft_cap: float | None, config: MosaicConfig, interpret: bool) -> jax.Array:
     num_q_heads, head_dim = q_tiles.shape[1:]
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -163,6 +167,10 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
         seq, first, end, pos0 = (work_gmem[item, i] for i in range(4))
         # keys 0 .. the tile's last query position; none for an unused or padding item
         num_steps = jnp.maximum(cdiv(pos0 + end - first, block_k), 0)
+        first_step = 0  # with a window, from the block of the tile's first query's first key
+        if sliding_window is not None:
+            first_step = jnp.minimum(lax.div(jnp.maximum(pos0 - sliding_window + 1, 0), block_k), num_steps)
+        count = num_steps - first_step
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
@@ -177,9 +185,9 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
                 plgpu.barrier_arrive(turns)
                 plgpu.barrier_wait(turns)
 
-            def step(j, carry, masked: bool):
+            def step(i, carry, masked: bool):
                 acc, m_i, l_i = carry
-                slot = lax.rem(j, stages)
+                j, slot = first_step + i, lax.rem(i, stages)
 
                 def softmax_done():  # then wait for the values, and with pingpong for the tensor cores
                     if config.pingpong:
@@ -199,7 +207,16 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
 
                 s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = jnp.where(key_col + j * block_k <= row_pos, s * scale, -jnp.inf) if masked else s * scale
+                if soft_cap is not None:
+                    s = soft_cap * LOG2E * jnp.tanh(s * (sm_scale / soft_cap))
+                else:
+                    s = s * scale
+                if masked:
+                    key = key_col + j * block_k
+                    visible = key <= row_pos
+                    if sliding_window is not None:
+                        visible &= key > row_pos - sliding_window
+                    s = jnp.where(visible, s, -jnp.inf)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no key yet keeps zeros
                 p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
@@ -233,12 +250,12 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
             init = (plgpu.layout_cast(jnp.zeros((WG_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), rows_layout),
                     plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), rows_layout))
-            # blocks every row of this warpgroup sees whole need no mask; the diagonal's do
-            whole = jnp.clip(lax.div(pos0 + wg * WG_ROWS + 1, block_k), 0, num_steps)
+            # blocks every row of this warpgroup sees whole need no mask; the diagonal's (and a window's) do
+            whole = 0 if sliding_window is not None else jnp.clip(lax.div(pos0 + wg * WG_ROWS + 1, block_k), 0, count)
             if config.pingpong:
                 pl.when(wg == 1)(take_turns)  # the first consumer goes first
             carry = lax.fori_loop(0, whole, functools.partial(step, masked=False), init)
-            acc, _, l_i = lax.fori_loop(whole, num_steps, functools.partial(step, masked=True), carry)
+            acc, _, l_i = lax.fori_loop(whole, count, functools.partial(step, masked=True), carry)
             if config.pingpong:
                 pl.when(wg == 0)(take_turns)  # as many turns taken by each
             l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # padding rows: zeros
@@ -251,10 +268,10 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
         def _producer():
             kv_head = lax.div(head, group)
 
-            def load(j, carry):
-                slot = lax.rem(j, stages)
+            def load(i, carry):
+                j, slot = first_step + i, lax.rem(i, stages)
 
-                @pl.when(j >= stages)  # the consumers are done with the block this slot held
+                @pl.when(i >= stages)  # the consumers are done with the block this slot held
                 def _():
                     plgpu.barrier_wait(k_free.at[slot])
                     plgpu.barrier_wait(v_free.at[slot])
@@ -267,12 +284,12 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
                     plgpu.copy_gmem_to_smem(v_gmem.at[page, :, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
                 return carry
 
-            lax.fori_loop(0, num_steps, load, None)
+            lax.fori_loop(0, count, load, None)
 
-            @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-            def _(j):  # the last blocks' releases: every barrier phase observed before the kernel ends
-                plgpu.barrier_wait(k_free.at[lax.rem(j, stages)])
-                plgpu.barrier_wait(v_free.at[lax.rem(j, stages)])
+            @pl.loop(jnp.maximum(count - stages, 0), count)
+            def _(i):  # the last blocks' releases: every barrier phase observed before the kernel ends
+                plgpu.barrier_wait(k_free.at[lax.rem(i, stages)])
+                plgpu.barrier_wait(v_free.at[lax.rem(i, stages)])
 
     def entry(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem):
         rows = _transforms(head_dim)

@@ -40,25 +40,27 @@ def ragged_batch(rng, q_lens, contexts, *, heads=(4, 2), head_dim=64, block_size
     return q, k, v, qsl, jnp.asarray(contexts, jnp.int32), jnp.asarray(tables), jnp.int32(len(contexts))
 
 
-@pytest.mark.parametrize("block_k, head_dim, block_size, heads, decode_queries, pingpong, seed", [
-    (64, 64, 16, (4, 2), 16, False, 0),
-    (128, 64, 32, (4, 1), 0, False, 1),
-    (64, 128, 64, (2, 2), 16, False, 2),
+@pytest.mark.parametrize("block_k, head_dim, block_size, heads, decode_queries, pingpong, window, cap, seed", [
+    (64, 64, 16, (4, 2), 16, False, None, None, 0),
+    (128, 64, 32, (4, 1), 0, False, None, None, 1),
+    (64, 128, 64, (2, 2), 16, False, None, None, 2),
     # the consumers taking turns; not beside the decodes' Triton kernel: interpreted together they can
     # starve each other of the interpreter's threads
-    (64, 64, 16, (4, 2), 0, True, 3),
+    (64, 64, 16, (4, 2), 0, True, None, None, 3),
+    (64, 64, 16, (4, 2), 16, False, 40, 20.0, 4),  # Gemma 2's sliding window and soft-cap
 ])
-def test_matches_the_reference_interpreted(block_k, head_dim, block_size, heads, decode_queries, pingpong, seed):
+def test_matches_the_reference_interpreted(block_k, head_dim, block_size, heads, decode_queries, pingpong, window, cap,
+                                           seed):
     """A prefill chunk behind a cached prefix, a decode (the Triton kernel's with `decode_queries`,
     else a tile here), a whole prompt over two tiles, and padding tokens (zeros), at page sizes
     below, at and inside a key block."""
     rng = np.random.default_rng(seed)
     args = ragged_batch(rng, [70, 1, 150], [90, 37, 150], heads=heads, head_dim=head_dim, block_size=block_size)
-    scale = 1 / np.sqrt(head_dim)
+    options = dict(sm_scale=1 / np.sqrt(head_dim), sliding_window=window, soft_cap=cap)
     config = MosaicConfig(block_k=block_k, pingpong=pingpong)
-    got = jax.jit(functools.partial(mosaic_prefill_attention, sm_scale=scale, interpret=True, config=config,
+    got = jax.jit(functools.partial(mosaic_prefill_attention, **options, interpret=True, config=config,
                                     decode_queries=decode_queries))(*args)
-    want = reference_ragged_paged_attention(*args, sm_scale=scale)
+    want = reference_ragged_paged_attention(*args, **options)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
     assert not np.asarray(got, np.float32)[221:].any()  # the padding tokens
 
@@ -66,14 +68,12 @@ def test_matches_the_reference_interpreted(block_k, head_dim, block_size, heads,
 def test_takes_only_what_it_supports():
     q = jnp.zeros((8, 4, 128), jnp.bfloat16)
     pages = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
-    assert supported(q, pages, None, None)
-    assert not supported(q, pages, 512, None)  # a sliding window: the Triton kernel's
-    assert not supported(q, pages, None, 50.0)  # a soft-cap: the same
-    assert not supported(q, pages.astype(jnp.float8_e4m3fn), None, None)  # fp8 pages
-    assert not supported(q, jnp.zeros((4, 16, 2, 128), jnp.bfloat16), None, None, MosaicConfig(block_k=48))
+    assert supported(q, pages)
+    assert not supported(q, pages.astype(jnp.float8_e4m3fn))  # fp8 pages: the Triton kernel's
+    assert not supported(q, pages, MosaicConfig(block_k=48))
     wide = jnp.zeros((8, 4, 256), jnp.bfloat16)  # D = 256: 128 keys a block overflow shared memory, 64 fit
-    assert not supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), None, None, MosaicConfig(block_k=128))
-    assert supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), None, None, MosaicConfig(block_k=64))
+    assert not supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), MosaicConfig(block_k=128))
+    assert supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), MosaicConfig(block_k=64))
     with pytest.raises(ValueError, match=r"registers=True\) cannot run in interpret mode"):
         mosaic_prefill_attention(q, pages, pages, jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32),
                                  jnp.zeros((1, 2), jnp.int32), jnp.int32(1), sm_scale=1.0, interpret=True,
@@ -108,18 +108,19 @@ def test_the_runner_attends_through_it_with_kernels_mosaic(monkeypatch):
     assert tokens["mosaic"] == tokens["pallas"]
 
 
-@pytest.mark.parametrize("num_seqs, seq_len, block_k, registers", [(1, 8192, 64, False), (16, 512, 128, False),
-                                                                   (1, 8192, 64, True)])
+@pytest.mark.parametrize("num_seqs, seq_len, block_k, registers, window, cap", [
+    (1, 8192, 64, False, None, None), (16, 512, 128, False, None, None), (1, 8192, 64, True, None, None),
+    (1, 8192, 64, True, 4096, 30.0)])
 @pytest.mark.parametrize("pingpong", [False, True])
-def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k, registers, pingpong):
+def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k, registers, window, cap, pingpong):
     """The benchmark's cases (`benchmarks/attention.py`): 32 query heads, 8 KV heads, D = 128, page 16;
-    FlashAttention-3's register form too, which only lowering checks off a GPU."""
+    FlashAttention-3's register form too, which only lowering checks off a GPU; a window and a soft-cap."""
     tokens, pages = num_seqs * seq_len, num_seqs * seq_len // 16
     args = (jax.ShapeDtypeStruct((tokens, 32, 128), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((pages, 16, 8, 128), jnp.bfloat16)] * 2,
             jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
             jax.ShapeDtypeStruct((num_seqs, seq_len // 16), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    f = functools.partial(mosaic_prefill_attention, sm_scale=0.088,
+    f = functools.partial(mosaic_prefill_attention, sm_scale=0.088, sliding_window=window, soft_cap=cap,
                           config=MosaicConfig(block_k=block_k, registers=registers, pingpong=pingpong))
     with jax.sharding.use_abstract_mesh(H200):  # the decodes' Triton kernel lowers for a GPU it is told of
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -127,16 +128,18 @@ def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k, regist
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_k, stages, registers, pingpong", [
-    (64, 2, False, False), (128, 2, False, False), (64, 3, False, False), (64, 2, True, False), (128, 2, True, False),
-    (64, 2, False, True), (64, 2, True, True),
+@pytest.mark.parametrize("block_k, stages, registers, pingpong, window, cap", [
+    (64, 2, False, False, None, None), (128, 2, False, False, None, None), (64, 3, False, False, None, None),
+    (64, 2, True, False, None, None), (128, 2, True, False, None, None), (64, 2, False, True, None, None),
+    (64, 2, True, True, None, None), (64, 2, True, True, 512, 30.0),
 ])
-def test_compiled_on_the_gpu_matches_the_reference(block_k, stages, registers, pingpong):
+def test_compiled_on_the_gpu_matches_the_reference(block_k, stages, registers, pingpong, window, cap):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     rng = np.random.default_rng(block_k + stages)
     args = ragged_batch(rng, [700, 1, 1000, 37], [1200, 300, 1000, 37], heads=(32, 8), head_dim=128)
-    got = jax.jit(functools.partial(mosaic_prefill_attention, sm_scale=0.088,
+    options = dict(sm_scale=0.088, sliding_window=window, soft_cap=cap)
+    got = jax.jit(functools.partial(mosaic_prefill_attention, **options,
                                     config=MosaicConfig(block_k, stages, registers, pingpong)))(*args)
-    want = reference_ragged_paged_attention(*args, sm_scale=0.088)
+    want = reference_ragged_paged_attention(*args, **options)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)

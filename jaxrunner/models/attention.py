@@ -88,9 +88,8 @@ class PagedAttention:
             if self.uniform_decode:
                 attention = functools.partial(ragged_paged_attention_decode, num_sms=kernels.num_sms, **options,
                                               queries_per_seq=self.queries_per_seq, interpret=kernels.interpret)
-            elif kernels.mosaic_attention and mosaic_supported(q, k_cache, window, self.soft_cap):
-                attention = functools.partial(mosaic_prefill_attention, sm_scale=options["sm_scale"],
-                                              interpret=kernels.interpret)
+            elif kernels.mosaic_attention and mosaic_supported(q, k_cache):
+                attention = functools.partial(mosaic_prefill_attention, **options, interpret=kernels.interpret)
             else:
                 attention = functools.partial(ragged_paged_attention, **options, interpret=kernels.interpret,
                                               batch_invariant=kernels.batch_invariant)
