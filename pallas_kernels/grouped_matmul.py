@@ -35,8 +35,20 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import cdiv, next_pow2
 
+MIN_RANGE = 256  # rows of K a range sums at least
+
+
 def supported(k: int, n: int) -> bool:
     return k % 16 == 0 and n % 16 == 0
+
+
+def k_ranges(k: int, block_k: int, programs: int, wanted: int) -> int:
+    """K ranges that bring `programs` (tiles x column blocks) up to `wanted`: a power of two, each
+    range whole steps of `block_k` and at least MIN_RANGE deep."""
+    splits = 1
+    while programs * splits < wanted and k % (2 * splits * block_k) == 0 and k // (2 * splits) >= MIN_RANGE:
+        splits *= 2
+    return splits
 
 
 def block_rows(num_rows: int, num_groups: int) -> int:
@@ -67,8 +79,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
     [E] (as `ragged_dot`), in tiles of `block_m` rows (0: `block_rows`) by `block_n` columns (0: up
     to 128), K `block_k` at a time (0: up to 64) in `k_splits` ranges (`spread_splits`: a program
     each). `min_programs`: where the tiles that can hold rows give fewer programs (a decode's few
-    rows), K is cut into more ranges, a program each (ranges of 256 rows of K at least), so that
-    every SM streams weights; the sums' order then follows M."""
+    rows), K is cut into ranges (`k_ranges`), a program each, so that every SM streams weights; the
+    sums' order then follows M."""
     num_rows, k = lhs.shape
     num_groups, k_rhs, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if rhs_transposed else rhs.shape
     if k_rhs != k or not supported(k, n):
@@ -83,9 +95,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
     block_m = block_m or block_rows(num_rows, num_groups)
     plan = plan_tiles(group_sizes, num_rows, block_m)
     block_n, block_k = block_n or math.gcd(n, 128), block_k or math.gcd(k // k_splits, 64)
-    programs = min(plan.shape[0], num_rows) * (n // block_n)  # of tiles that can hold a row
-    while programs * k_splits < min_programs and k % (2 * k_splits * block_k) == 0 and k // (2 * k_splits) >= 256:
-        k_splits, spread_splits = 2 * k_splits, True
+    if min_programs and k_splits == 1:
+        k_splits = k_ranges(k, block_k, min(plan.shape[0], num_rows) * (n // block_n), min_programs)
+        spread_splits = k_splits > 1
     if k_splits < 1 or k % (k_splits * block_k):
         raise ValueError(f"grouped_matmul cannot cut K={k} into k_splits={k_splits} ranges of whole "
                          f"block_k={block_k} steps")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul import grouped_matmul, supported
+from pallas_kernels.grouped_matmul import grouped_matmul, k_ranges, supported
 
 TILE_ROWS = 8
 # The grouped matmul's rows per tile, batch-invariant (an MoE MLP's experts: `step.moe_matmul`; a
@@ -74,15 +74,11 @@ SPREAD_BELOW = 256
 
 def tiling(k: int, n: int, itemsize: int) -> tuple[int, int, int]:
     """`fixed_tile_matmul`'s column block (up to 128), K step (64 rows of bf16, as much shared memory
-    for float32) and K ranges: as many as bring one tile of rows to SPREAD_BELOW programs, each
-    range at least 256 deep. All follow the weight's shape only, never the batch's, so a row's bits
-    stay its own."""
+    for float32) and K ranges: as many as bring one tile of rows to SPREAD_BELOW programs. All
+    follow the weight's shape only, never the batch's, so a row's bits stay its own."""
     block_n = math.gcd(n, 128)
     block_k = math.gcd(k, 128 // itemsize)
-    splits = 1
-    while (n // block_n) * splits < SPREAD_BELOW and k % (2 * splits * block_k) == 0 and k // (2 * splits) >= 256:
-        splits *= 2
-    return block_n, block_k, splits
+    return block_n, block_k, k_ranges(k, block_k, n // block_n, SPREAD_BELOW)
 
 
 def per_row(f: Callable, rows, tiled: bool):
