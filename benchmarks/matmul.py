@@ -8,8 +8,9 @@ With `--quantization` the weights are held in that format (models/quantization.p
 counted are the ones it stores, so the figures say how close each format's matmul comes to streaming them;
 the matmul is the runner's (`step.projection_matmul`: the Mosaic kernel where it applies), or XLA's
 alone with `--xla`. `--batch-invariant` runs the mode's projections (the grouped matmul's fixed
-tiles and K ranges, `row_tiles.fixed_tile_matmul`) and `--rows` sets the activation's rows (W2's
-decode: 256).
+tiles and K ranges, `row_tiles.fixed_tile_matmul`), `--mosaic` bf16 weights through the Mosaic
+kernel (`quantized_matmul.dense_matmul`, 8 to 64 rows), and `--rows` sets the activation's rows
+(W2's decode: 256).
 
     PYTHONPATH=$PWD python benchmarks/matmul.py --shape llama3-8b [--quantization fp8|int8|int4] [--batch-invariant]
 Writes $OUT/matmul_<shape>[_<format>][_invariant][_r<rows>].json when OUT is set.
@@ -18,6 +19,7 @@ Writes $OUT/matmul_<shape>[_<format>][_invariant][_r<rows>].json when OUT is set
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -26,11 +28,13 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.profile import busy_ns, trace_kernels
+from jaxrunner import platform
 from jaxrunner.bench.floors import COPY_BANDWIDTH, weight_bytes_per_step
 from jaxrunner.checkpoints.dummy import SHAPES, shape
 from jaxrunner.config import QUANTIZATION_FORMATS, Kernels
 from jaxrunner.models.quantization import matmul, quantize
 from jaxrunner.runner.step import projection_matmul
+from pallas_kernels.quantized_matmul import dense_matmul
 
 
 def layouts(name: str) -> dict[str, list[tuple[int, int]]]:
@@ -70,6 +74,7 @@ def main() -> None:
     parser.add_argument("--quantization", choices=QUANTIZATION_FORMATS)
     parser.add_argument("--xla", action="store_true", help="XLA's matmul, not the runner's choice")
     parser.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode's projections")
+    parser.add_argument("--mosaic", action="store_true", help="bf16 weights through the Mosaic kernel (dense_matmul)")
     parser.add_argument("--rows", type=int, default=16)
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
@@ -79,6 +84,8 @@ def main() -> None:
                "batch_invariant": args.batch_invariant, "rows": args.rows, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "cases": {}}
     product = matmul if args.xla else projection_matmul(Kernels.choose("auto", batch_invariant=args.batch_invariant))
+    if args.mosaic:
+        product = functools.partial(dense_matmul, num_sms=platform.num_sms())
     key = itertools.count()
     for case, shapes in layouts(args.shape).items():
         k = shapes[0][0]
@@ -94,7 +101,8 @@ def main() -> None:
         del layers
     if os.environ.get("OUT"):
         name = (f"matmul_{args.shape}" + (f"_{args.quantization}" if args.quantization else "") + ("_xla" if args.xla else "")
-                + ("_invariant" if args.batch_invariant else "") + (f"_r{args.rows}" if args.rows != 16 else ""))
+                + ("_invariant" if args.batch_invariant else "") + ("_mosaic" if args.mosaic else "")
+                + (f"_r{args.rows}" if args.rows != 16 else ""))
         with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
             json.dump(results, f, indent=1)
 

@@ -18,6 +18,7 @@
 #   bash benchmarks/serving.sh invariant-cost  # the mode's cost on W1 and W2
 #   bash benchmarks/serving.sh mosaic     # the Mosaic GPU prefill attention: its GPU tests, prefill and mixed batches against cuDNN and the Triton kernel
 #   bash benchmarks/serving.sh mosaic-w2  # W2 with the Triton attention (the default), then with kernels=mosaic
+#   bash benchmarks/serving.sh gemv       # W1's bf16 decode projections: XLA against the Mosaic kernel (dense_matmul), and its GPU test
 #   bash benchmarks/serving.sh buckets    # what a sampler costs at each request bucket (powers of four: a batch pads up to 4x its rows)
 #   bash benchmarks/serving.sh quant      # W1 in bf16 (with the HF peer), fp8, int8 and int4; W2 in bf16 and fp8; the kernel's matmuls
 set -o pipefail
@@ -63,6 +64,9 @@ case "$1" in
       timeout 280 python3 -m jaxrunner.cli bench throughput --no-peer --kernels $kernels --json "$OUT/w2_$kernels.json" 2>&1 \
         | tr '\r' '\n' | grep -E "jaxrunner|Error" | tail -3
     done ;;
+  gemv)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_quantized_matmul.py -k bf16 2>&1 | tail -4
+    for impl in "" --mosaic; do timeout 100 python3 benchmarks/matmul.py --shape llama3-8b $impl; done ;;
   buckets)
     for batch in 4 16 64 256; do
       timeout 120 python3 benchmarks/sampler.py --batch $batch 2>&1 | grep -E "^batch|mixed params \(ours\)|temperature only"
@@ -131,5 +135,5 @@ for _ in range(400):
     timeout 280 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --no-peer \
       --batch-invariant --json "$OUT/moe_b1_invariant.json" 2>&1 | grep jaxrunner ;;  # the mode's fixed tiles
   *)
-    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|offload|invariant|invariant-cost|mosaic|mosaic-w2|buckets|quant" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|offload|invariant|invariant-cost|mosaic|mosaic-w2|gemv|buckets|quant" >&2; exit 2 ;;
 esac

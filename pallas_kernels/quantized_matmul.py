@@ -1,4 +1,4 @@
-"""Decode-shaped matmuls over quantized weights, as a Mosaic GPU (Hopper) kernel.
+"""Decode-shaped matmuls over quantized weights (and bf16 ones), as a Mosaic GPU (Hopper) kernel.
 
 A decode step multiplies a few token rows by every weight once, so its matmuls are bound by the
 bytes of the weights, and XLA reads a quantized weight far below the copy bandwidth: it widens the
@@ -15,8 +15,13 @@ bucket, 8 to 64 rows) is the wgmma's N dimension and no tile is padded to 64 tok
   tile is loaded to registers, widened to bf16 and multiplied by the group's scales there, then
   multiplied with the tokens' bf16 tile.
 
-The weight is held K-major ([N, K], as Hugging Face stores a linear weight and as the tensor cores
-read an fp8 operand); scales are [G, N]. K is cut into `splits` ranges so that narrow layers still
+- bf16 (`dense_matmul`, the weight [K, N] as the layers hold it): both operands go to the tensor
+  cores from shared memory, the weight's tile read transposed. XLA's decode matmuls stream the
+  narrower projections below the copy bandwidth (docs/benchmarks.md); this form is there to be
+  measured against them per shape (`benchmarks/matmul.py --mosaic`).
+
+A quantized weight is held K-major ([N, K], as Hugging Face stores a linear weight and as the tensor
+cores read an fp8 operand); scales are [G, N]. K is cut into `splits` ranges so that narrow layers still
 occupy every SM; each range writes float32 partial sums, added by XLA in the epilogue (with the
 scales and the transpose back to [M, N], fused into one pass over the small output).
 """
@@ -78,6 +83,21 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, num_
     return _partial_sums(x.astype(jnp.bfloat16), values, scales, step, num_sms, interpret).sum(0).T.astype(x.dtype)
 
 
+def dense_supported(num_rows: int, w: jax.Array) -> bool:
+    """Whether `dense_matmul` takes x [num_rows, K] @ w [K, N]."""
+    k, n = w.shape
+    return (w.dtype == jnp.bfloat16 and 8 <= num_rows <= MAX_ROWS and num_rows % 8 == 0 and n % TILE_N == 0
+            and k % 64 == 0)
+
+
+def dense_matmul(x: jax.Array, w: jax.Array, *, num_sms: int, interpret: bool = False) -> jax.Array:
+    """x [M, K] @ w [K, N] for bf16 w, in x's dtype (`interpret`: simulated on the CPU)."""
+    if not dense_supported(x.shape[0], w):
+        raise ValueError(f"dense_matmul cannot run x {x.shape} by {w.dtype} {w.shape}: see `dense_supported`")
+    step = 128 if w.shape[0] % 128 == 0 else 64
+    return _partial_sums(x.astype(jnp.bfloat16), w, None, step, num_sms, interpret).sum(0).T.astype(x.dtype)
+
+
 def fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(x [M, K] in e4m3, float32 scales [M, 1]): each row scaled so its absolute maximum is e4m3's
     largest value (W8A8's activations, scaled per token as the matmul runs)."""
@@ -94,17 +114,20 @@ def _transforms(cols: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array, step: int, num_sms: int,
+def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, step: int, num_sms: int,
                   interpret: bool) -> jax.Array:
-    """float32 [splits, N, M]: each K range's W @ x^T, int8 tiles scaled per group as they widen."""
+    """float32 [splits, N, M]: each K range's W @ x^T, int8 tiles scaled per group as they widen.
+    Without `scales`, `values` is a bf16 weight [K, N], its tiles read transposed."""
     m, k = x.shape
-    n = values.shape[0]
+    dense = scales is None
+    n = values.shape[1 if dense else 0]
     steps = k // step
     splits = split_count(n, steps, num_sms)
     per_split = steps // splits
     widen = values.dtype != x.dtype  # int8: to bf16 in registers; fp8 goes to the tensor cores as it is
 
-    def kernel(x_gmem, v_gmem, s_gmem, out_gmem, out_smem):
+    def kernel(x_gmem, v_gmem, *rest, out_smem):
+        *s_gmem, out_gmem = rest  # the scales, but for a bf16 weight
         rows = pl.ds(lax.axis_index("n") * TILE_N, TILE_N)
         split = lax.axis_index("split")
         cols = pl.ds(split * per_split * step, per_split * step)
@@ -112,18 +135,22 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array, step: int,
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, m), jnp.float32))
         def _(acc):
             def body(_, v_smem, x_smem, *s_smem):
-                w = v_smem
+                w = v_smem.T if dense else v_smem
                 if widen:
                     w = v_smem[...].astype(jnp.bfloat16) * s_smem[0][0].astype(jnp.bfloat16)[:, None]
                 plgpu.wgmma(acc, w, x_smem.T)
                 plgpu.wgmma_wait(0)
 
-            specs = [plgpu.BlockSpec((TILE_N, step), lambda j: (0, j), transforms=_transforms(step, values.dtype)),
-                     plgpu.BlockSpec((m, step), lambda j: (0, j), transforms=_transforms(step, x.dtype))]
-            refs = [v_gmem.at[rows, cols], x_gmem.at[:, cols]]
+            if dense:
+                weight = plgpu.BlockSpec((step, TILE_N), lambda j: (j, 0), transforms=_transforms(TILE_N, values.dtype))
+                refs = [v_gmem.at[cols, rows], x_gmem.at[:, cols]]
+            else:
+                weight = plgpu.BlockSpec((TILE_N, step), lambda j: (0, j), transforms=_transforms(step, values.dtype))
+                refs = [v_gmem.at[rows, cols], x_gmem.at[:, cols]]
+            specs = [weight, plgpu.BlockSpec((m, step), lambda j: (0, j), transforms=_transforms(step, x.dtype))]
             if widen:
                 specs.append(plgpu.BlockSpec((1, TILE_N), lambda j: (j, 0)))
-                refs.append(s_gmem.at[pl.ds(split * per_split, per_split), rows])
+                refs.append(s_gmem[0].at[pl.ds(split * per_split, per_split), rows])
             plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs, max_concurrent_steps=min(STAGES, per_split))(*refs)
             out_smem[...] = acc[...]
 
@@ -139,4 +166,4 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array, step: int,
         scratch_types=dict(out_smem=plgpu.SMEM((TILE_N, m), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(x, values, scales)
+    )(x, values, *([] if dense else [scales]))

@@ -34,6 +34,11 @@ def _lowered(f, *args) -> str:
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_the_bf16_form_lowers_for_hopper():
+    x, w = jax.ShapeDtypeStruct((16, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 6144), jnp.bfloat16)
+    assert "mosaic_gpu" in _lowered(functools.partial(kernel.dense_matmul, num_sms=132), x, w)
+
+
 @pytest.mark.parametrize("fmt,k,n", CASES)
 def test_the_kernel_lowers_for_hopper(fmt, k, n):
     w = jax.eval_shape(functools.partial(quantize, fmt=fmt), jax.ShapeDtypeStruct((k, n), jnp.float32))
@@ -88,6 +93,19 @@ def test_the_fp8_kernel_interpreted_matches_the_reference(k, n, rows):
         kernel.quantized_matmul(jnp.zeros((8, 256), jnp.bfloat16), held.values, held.scales, num_sms=2, interpret=True)
 
 
+@pytest.mark.parametrize("k, n, rows", [(512, 128, 16), (192, 256, 8)])
+def test_the_bf16_form_interpreted_matches_the_product(k, n, rows):
+    """`dense_matmul`: a bf16 weight as the layers hold it ([K, N], its tiles read transposed),
+    simulated on the CPU: 2 K ranges of 2 steps of 128, then one range of 3 steps of 64."""
+    rng = np.random.default_rng(k + n)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.bfloat16)
+    got = kernel.dense_matmul(x, w, num_sms=2, interpret=True)
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    assert not kernel.dense_supported(72, w) and not kernel.dense_supported(16, w.astype(jnp.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [8, 16, 64])
 @pytest.mark.parametrize("fmt,k,n", CASES)
@@ -102,6 +120,20 @@ def test_the_kernel_matches_the_reference(fmt, k, n, rows):
     want = _reference(x, np.asarray(w.values.astype(jnp.float32)), np.asarray(w.scales), fmt == "fp8")
     # bf16 output; int8 also rounds each scaled weight to bf16 before the tensor cores
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 16, 64])
+@pytest.mark.parametrize("k, n", [(4096, 6144), (4096, 4096), (14336, 4096), (1024, 4096)])
+def test_the_bf16_form_matches_xla_on_the_gpu(k, n, rows):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(k + n + rows)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.bfloat16)
+    got = kernel.dense_matmul(x, w, num_sms=platform.num_sms())
+    want = jnp.dot(x, w, preferred_element_type=jnp.float32, precision="highest")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
