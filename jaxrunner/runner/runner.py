@@ -54,6 +54,7 @@ from jaxrunner.runner.programs import (
     WRITE_BLOCKS,
     WRITE_LORA,
     WRITE_TOKENS,
+    Program,
     Progress,
     shared_programs,
 )
@@ -309,7 +310,7 @@ class Runner:
         token bucket's backbone, the fullest sampler at the largest request bucket and, where steps
         run several at a time, the largest decode loop (it holds a backbone's and a sampler's
         temporaries at once): a profiling compile that needs no cache allocated (the cache is
-        aliased, so its size changes nothing)."""
+        aliased, so its size changes nothing), the programs compiled side by side."""
         ctx = self.ctx
         flags, b = ctx.sampler_variants[-1], self.config.request_buckets[-1]
         named = dict(params=ctx.params, state=ctx.state, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags),
@@ -319,14 +320,16 @@ class Runner:
         else:
             sampler = self.programs.program(SAMPLE, **named)
         loops = self.programs.examples(DECODE_LOOP)[:1]  # the largest first
-        executables = [self.compile_forward(self.config.max_num_batched_tokens), self.programs.executable(sampler),
-                       *map(self.programs.executable, loops)]
-        return max(exe.memory_analysis().temp_size_in_bytes for exe in executables)
+        programs = [self._forward_program(self.config.max_num_batched_tokens), sampler, *loops]
+        self.programs.compile_all(programs)
+        return max(self.programs.executable(p).memory_analysis().temp_size_in_bytes for p in programs)
 
     def compile_forward(self, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""
+        return self.programs.executable(self._forward_program(num_tokens, uniform_decode))
+
+    def _forward_program(self, num_tokens: int, uniform_decode: bool = False) -> Program:
         ctx = self.ctx
         tokens = ctx.tokens(bucket(num_tokens, self.config.token_buckets))
-        return self.programs.executable(self.programs.program(
-            FORWARD, params=ctx.params, draft_params=ctx.draft_params, lora=ctx.lora, state=ctx.state, tokens=tokens,
-            uniform_decode=uniform_decode))
+        return self.programs.program(FORWARD, params=ctx.params, draft_params=ctx.draft_params, lora=ctx.lora,
+                                     state=ctx.state, tokens=tokens, uniform_decode=uniform_decode)
