@@ -1,8 +1,10 @@
 """The Mixture-of-Experts MLP of the Qwen3-30B-A3B shape: GPU busy time per layer for a decode
-bucket of 16 tokens with 1 or 16 of them real (the rest padding, sent to no expert), and for 512
-tokens, with XLA's `jax.lax.ragged_dot`, with the Pallas grouped matmul (`pallas_kernels.grouped_matmul`,
-the runner's choice on the GPU) and in the all-experts dense form (every token times every expert's
-weights, which reads each weight once).
+bucket of 16 tokens with 1 or 16 of them real (the rest padding, sent to no expert), and for 64, 256
+and 512 tokens, with XLA's `jax.lax.ragged_dot`, with the grouped matmuls the runner chooses
+(`step.moe_matmul`): the Triton kernel (`pallas_kernels.grouped_matmul`, the default on the GPU)
+and with `kernels="mosaic"` the Mosaic GPU kernel for a decode's rows
+(`quantized_matmul.grouped_dense_matmul`), and in the all-experts dense form (every token times
+every expert's weights, which reads each weight once).
 
     PYTHONPATH=$PWD python benchmarks/moe.py
 Writes $OUT/moe.json when OUT is set.
@@ -18,10 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.profile import busy_ns, trace_kernels
+from jaxrunner import platform
 from jaxrunner.bench.floors import COPY_BANDWIDTH
-from jaxrunner.models.moe import moe_mlp, route
 from jaxrunner.checkpoints.dummy import shape
-from pallas_kernels.grouped_matmul import grouped_matmul
+from jaxrunner.config import Kernels
+from jaxrunner.models.moe import moe_mlp, route
+from jaxrunner.runner.step import moe_matmul
 
 LAYERS = 8
 
@@ -46,11 +50,14 @@ def main() -> None:
                jax.random.normal(next(key), (e, i, h), jnp.bfloat16) * 0.02) for _ in range(LAYERS)]
     expert_bytes = 2 * 3 * h * i
     results = {"device": jax.devices()[0].device_kind, "shape": "qwen3-30b-a3b", "cases": []}
-    for tokens, real in ((16, 1), (16, 16), (512, 512)):
+    forms = {"ragged_dot": moe_mlp, "dense": dense}
+    for name, mosaic in (("pallas", False), ("mosaic", True)):
+        kernels = Kernels(pallas=True, interpret=False, num_sms=platform.num_sms(), mosaic=mosaic)
+        forms[name] = functools.partial(moe_mlp, grouped_matmul=moe_matmul(kernels, cfg))
+    for tokens, real in ((16, 1), (16, 16), (64, 64), (256, 256), (512, 512)):
         x = jax.random.normal(next(key), (tokens, h), jnp.bfloat16)
         valid = jnp.arange(tokens) < real
-        pallas = functools.partial(moe_mlp, grouped_matmul=grouped_matmul)
-        for name, fn in (("ragged_dot", moe_mlp), ("pallas", pallas), ("dense", dense)):
+        for name, fn in forms.items():
             call = jax.jit(lambda x, layers, valid, fn=fn: [fn(x, *w, jax.nn.silu, cfg, valid) for w in layers])
             jax.block_until_ready(call(x, layers, valid))
             events = trace_kernels(lambda: [jax.block_until_ready(call(x, layers, valid)) for _ in range(3)])

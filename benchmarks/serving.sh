@@ -13,12 +13,13 @@
 #   bash benchmarks/serving.sh serve      # W2's requests through `jaxrunner serve` (HTTP, streamed), then W2 offline (needs fastapi, uvicorn, openai)
 #   bash benchmarks/serving.sh families   # Gemma, MoE and KV-cache groups on the GPU: parity, the engine's groups, fp8's logit error
 #   bash benchmarks/serving.sh moe        # the Qwen3-30B-A3B shape's decode at batch 1 and 64, each with the HF peer
+#   bash benchmarks/serving.sh moe-mosaic # its experts per layer in each form (benchmarks/moe.py), then batch 1 and 64 with kernels=mosaic
 #   bash benchmarks/serving.sh offload    # the prefix cache's host tier: TTFT of 8k prefixes revisited after eviction, recomputed vs loaded (8B shape)
 #   bash benchmarks/serving.sh invariant  # batch invariance at W2's scale (a request alone vs in 256); the mode's projections against XLA's
 #   bash benchmarks/serving.sh invariant-cost  # the mode's cost on W1 and W2
 #   bash benchmarks/serving.sh mosaic     # the Mosaic GPU prefill attention: its GPU tests, prefill and mixed batches against cuDNN and the Triton kernel
 #   bash benchmarks/serving.sh mosaic-w2  # W2 with the Triton attention (the default), then with kernels=mosaic
-#   bash benchmarks/serving.sh gemv       # W1's bf16 decode projections: XLA against the Mosaic kernel (dense_matmul), and its GPU test
+#   bash benchmarks/serving.sh gemv       # W1's bf16 decode projections: XLA against the Mosaic kernel (dense_matmul), its GPU test, W1 with each
 #   bash benchmarks/serving.sh buckets    # what a sampler costs at each request bucket (powers of four: a batch pads up to 4x its rows)
 #   bash benchmarks/serving.sh quant      # W1 in bf16 (with the HF peer), fp8, int8 and int4; W2 in bf16 and fp8; the kernel's matmuls
 set -o pipefail
@@ -66,7 +67,10 @@ case "$1" in
     done ;;
   gemv)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_quantized_matmul.py -k bf16 2>&1 | tail -4
-    for impl in "" --mosaic; do timeout 100 python3 benchmarks/matmul.py --shape llama3-8b $impl; done ;;
+    for impl in "" --mosaic; do timeout 100 python3 benchmarks/matmul.py --shape llama3-8b $impl; done
+    for kernels in auto mosaic; do  # W1 with XLA's projections, then with the kernel's (kernels=mosaic)
+      timeout 150 python3 -m jaxrunner.cli bench latency --no-peer --kernels $kernels --json "$OUT/w1_$kernels.json" 2>&1 | grep jaxrunner
+    done ;;
   buckets)
     for batch in 4 16 64 256; do
       timeout 120 python3 benchmarks/sampler.py --batch $batch 2>&1 | grep -E "^batch|mixed params \(ours\)|temperature only"
@@ -134,6 +138,13 @@ for _ in range(400):
       --max-prompt 128 --new 128 --json "$OUT/moe_b64.json" 2>&1 | tr '\r' '\n' | tail -6
     timeout 280 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --no-peer \
       --batch-invariant --json "$OUT/moe_b1_invariant.json" 2>&1 | grep jaxrunner ;;  # the mode's fixed tiles
+  moe-mosaic)  # the experts' decode through the Mosaic GPU kernel: per layer against the others, then moe's runs
+    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_quantized_matmul.py -k grouped 2>&1 | tail -4
+    timeout 200 python3 benchmarks/moe.py 2>&1 | grep us/layer
+    timeout 180 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --no-peer --kernels mosaic \
+      --json "$OUT/moe_b1_mosaic.json" 2>&1 | grep jaxrunner
+    timeout 200 python3 -m jaxrunner.cli bench throughput --shape qwen3-30b-a3b --num-prompts 64 --min-prompt 128 \
+      --max-prompt 128 --new 128 --no-peer --kernels mosaic --json "$OUT/moe_b64_mosaic.json" 2>&1 | tr '\r' '\n' | tail -3 ;;
   *)
-    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|offload|invariant|invariant-cost|mosaic|mosaic-w2|gemv|buckets|quant" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|moe-mosaic|offload|invariant|invariant-cost|mosaic|mosaic-w2|gemv|buckets|quant" >&2; exit 2 ;;
 esac

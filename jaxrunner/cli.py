@@ -64,7 +64,7 @@ ENGINE_FLAGS = (
     ("kv_offloading_size", float, "GiB of host memory for the prefix cache's evicted KV blocks (a second tier)"),
     ("seed", int, "engine seed: requests without their own seed draw one from it"),
     ("kernels", str, "auto (Pallas on a GPU), pallas (interpreted off a GPU), mosaic (pallas with the Mosaic GPU "
-                     "prefill attention) or reference"),
+                     "kernels: prefill attention, MoE decode) or reference"),
     ("load_format", str, "auto, or dummy: random weights in the shape --model names (e.g. qwen3-0.6b)"),
     ("num_scheduler_steps", int, "decode steps per device call"),
     ("async_scheduling", None, None),
@@ -193,7 +193,7 @@ def _add_bench_parser(commands) -> None:
         workload.add_argument("--batch-invariant", action="store_true",
                               help="a request's bits do not depend on its batch (the mode's cost)")
         workload.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
-                              help="the runner's kernels (mosaic: the Mosaic GPU prefill attention)")
+                              help="the runner's kernels (mosaic: the Mosaic GPU prefill attention and MoE decode)")
 
 
 def bench(args: argparse.Namespace) -> int:

@@ -494,24 +494,25 @@ class Kernels:
     `num_sms`: the GPU's streaming multiprocessors, which set the decode attention's KV splits;
     `batch_invariant`: the matmuls whose row count is the batch's run tile by tile
     (`models.row_tiles`), so a row's bits do not depend on the batch (`RunnerConfig.batch_invariant`);
-    `mosaic_attention`: batches that are not all decodes attend through the Mosaic GPU kernel
-    (`pallas_kernels.mosaic_attention`) where it takes the call, the Triton kernel elsewhere."""
+    `mosaic`: the Mosaic GPU kernels where they take the call, the Triton ones elsewhere: batches
+    that are not all decodes attend through `pallas_kernels.mosaic_attention`, and an MoE decode's
+    experts run `quantized_matmul.grouped_dense_matmul`."""
 
     pallas: bool
     interpret: bool
     num_sms: int
     batch_invariant: bool = False
-    mosaic_attention: bool = False
+    mosaic: bool = False
 
     @classmethod
     def choose(cls, choice: str, batch_invariant: bool = False) -> Kernels:
         """"auto": Pallas on a GPU, the references elsewhere; "pallas" off a GPU runs interpreted;
-        "mosaic": "pallas" with the Mosaic GPU prefill attention (its mode has no Mosaic form yet:
+        "mosaic": "pallas" with the Mosaic GPU kernels (`mosaic`; the mode has no Mosaic form yet:
         with `batch_invariant` it is "pallas"). `choice` is a `RunnerConfig.kernels`, checked there."""
         gpu = platform.on_gpu()
         return cls(pallas=choice in ("pallas", "mosaic") or (choice == "auto" and gpu), interpret=not gpu,
                    num_sms=platform.num_sms(), batch_invariant=batch_invariant,
-                   mosaic_attention=choice == "mosaic" and not batch_invariant)
+                   mosaic=choice == "mosaic" and not batch_invariant)
 
 
 @dataclass(frozen=True)

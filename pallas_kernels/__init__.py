@@ -1,5 +1,6 @@
 """Pallas kernels for jaxrunner: through the Triton lowering (interpret mode on CPU), and Mosaic GPU
-(`quantized_matmul`, `mosaic_attention`; Hopper only, `mosaic_attention` simulated on the CPU)."""
+(`quantized_matmul`, `mosaic_attention`; Hopper only, simulated on the CPU by Mosaic GPU's interpreter
+where it can)."""
 
 from pallas_kernels.attention_kernel import KernelConfig
 from pallas_kernels.common import FP8

@@ -40,3 +40,33 @@ def tree_sum(x: jax.Array) -> jax.Array:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
     return x[..., 0]
+
+
+def plan_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
+    """i32 [min(ceil(M / block_m) + E, M), 3]: each tile of the grouped matmuls' rows, `block_m` rows
+    of one group (a group's last tile partial), as its group (-1: unused), first row and the group's
+    end row. Used tiles come first; every one holds a row, so there are at most M of them."""
+    sizes = group_sizes.astype(jnp.int32)
+    num_groups = sizes.shape[0]
+    tiles = cdiv(sizes, block_m)
+    tile_end = jnp.cumsum(tiles)
+    row_start = jnp.cumsum(sizes) - sizes
+    i = jnp.arange(min(cdiv(num_rows, block_m) + num_groups, num_rows), dtype=jnp.int32)
+    group = jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32)
+    g = jnp.minimum(group, num_groups - 1)
+    first = row_start[g] + (i - (tile_end[g] - tiles[g])) * block_m
+    return jnp.stack([jnp.where(group < num_groups, group, -1), first, row_start[g] + sizes[g]], axis=1)
+
+
+def tile_major_rows(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """(i32 [M], bool [M]): each row's place in an output laid out tile by tile as `plan_tiles`
+    plans them (`block_m` rows a tile), and whether the row belongs to a group at all."""
+    sizes = group_sizes.astype(jnp.int32)
+    tiles = cdiv(sizes, block_m)
+    group_end = jnp.cumsum(sizes)
+    r = jnp.arange(num_rows, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(group_end, r, side="right"), sizes.shape[0] - 1)
+    offset = r - (group_end[g] - sizes[g])
+    place = (jnp.cumsum(tiles)[g] - tiles[g] + offset // block_m) * block_m + offset % block_m
+    valid = r < group_end[-1]
+    return jnp.where(valid, place, 0), valid

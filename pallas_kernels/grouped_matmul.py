@@ -7,8 +7,8 @@ groups before it (rows past them all come out zero); row r of group g is `lhs[r]
 experts of 128 streams all of them (docs/benchmarks.md). Here the rows are cut into tiles of
 `block_m` rows of one group (a group's last tile is partial), and program (tile, column block)
 multiplies its tile by its group's column block: each used group's weights are read once per tile,
-an empty group's never. The tiles are planned on the device (a tile count that depends only on
-the shapes: ceil(M / block_m) + E covers every split); unused tiles return at once. `block_m`
+an empty group's never. The tiles are planned on the device (`common.plan_tiles`: a tile count that depends only on
+the shapes covers every split); unused tiles return at once. `block_m`
 grows with the rows per group (16 for a decode's few copies per expert, up to 128 for a prefill,
 whose tiles would otherwise re-read each expert's weights many times), or is fixed by the caller:
 then a row's products run in tiles of one shape whatever the batch routes beside it, which batch
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import cdiv, next_pow2
+from pallas_kernels.common import cdiv, next_pow2, plan_tiles
 
 MIN_RANGE = 256  # rows of K a range sums at least
 
@@ -54,20 +54,6 @@ def k_ranges(k: int, block_k: int, programs: int, wanted: int) -> int:
 def block_rows(num_rows: int, num_groups: int) -> int:
     """Rows per tile: about the rows of a group, a power of two in [16, 128]."""
     return min(128, max(16, next_pow2(num_rows // num_groups)))
-
-
-def plan_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
-    """i32 [ceil(M / block_m) + E, 3]: each tile's group (-1: unused), first row and end row."""
-    sizes = group_sizes.astype(jnp.int32)
-    num_groups = sizes.shape[0]
-    tiles = cdiv(sizes, block_m)
-    tile_end = jnp.cumsum(tiles)
-    row_start = jnp.cumsum(sizes) - sizes
-    i = jnp.arange(cdiv(num_rows, block_m) + num_groups, dtype=jnp.int32)
-    group = jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32)
-    g = jnp.minimum(group, num_groups - 1)
-    first = row_start[g] + (i - (tile_end[g] - tiles[g])) * block_m
-    return jnp.stack([jnp.where(group < num_groups, group, -1), first, row_start[g] + sizes[g]], axis=1)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret: bool = False,
@@ -96,7 +82,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
     plan = plan_tiles(group_sizes, num_rows, block_m)
     block_n, block_k = block_n or math.gcd(n, 128), block_k or math.gcd(k // k_splits, 64)
     if min_programs and k_splits == 1:
-        k_splits = k_ranges(k, block_k, min(plan.shape[0], num_rows) * (n // block_n), min_programs)
+        k_splits = k_ranges(k, block_k, plan.shape[0] * (n // block_n), min_programs)
         spread_splits = k_splits > 1
     if k_splits < 1 or k % (k_splits * block_k):
         raise ValueError(f"grouped_matmul cannot cut K={k} into k_splits={k_splits} ranges of whole "

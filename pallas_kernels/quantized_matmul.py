@@ -14,11 +14,12 @@ bucket, 8 to 64 rows) is the wgmma's N dimension and no tile is padded to 64 tok
 - int8 (groups of `group` along K, a scale per group and output column): a step is one group; its
   tile is loaded to registers, widened to bf16 and multiplied by the group's scales there, then
   multiplied with the tokens' bf16 tile.
-
 - bf16 (`dense_matmul`, the weight [K, N] as the layers hold it): both operands go to the tensor
   cores from shared memory, the weight's tile read transposed. XLA's decode matmuls stream the
   narrower projections below the copy bandwidth (docs/benchmarks.md); this form is there to be
   measured against them per shape (`benchmarks/matmul.py --mosaic`).
+- grouped bf16 (`grouped_dense_matmul`, `ragged_dot`'s function over experts [E, K, N]): the same
+  program per tile of one expert's rows, for an MoE decode (`kernels="mosaic"`).
 
 A quantized weight is held K-major ([N, K], as Hugging Face stores a linear weight and as the tensor
 cores read an fp8 operand); scales are [G, N]. K is cut into `splits` ranges so that narrow layers still
@@ -36,6 +37,8 @@ from jax import lax
 from jax._src import dtypes
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import cdiv, next_pow2, plan_tiles, tile_major_rows
 
 TILE_N = 64  # weight rows per program: a warpgroup's wgmma M
 STAGES = 4  # pipeline steps in flight per program
@@ -98,6 +101,45 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, num_sms: int, interpret: bool = 
     return _partial_sums(x.astype(jnp.bfloat16), w, None, step, num_sms, interpret).sum(0).T.astype(x.dtype)
 
 
+def grouped_tile(num_rows: int, num_groups: int) -> int:
+    """Rows per tile of `grouped_dense_matmul`: about a group's share of the rows, a power of two
+    from 8 (a wgmma's narrowest N)."""
+    return max(8, next_pow2(cdiv(num_rows, num_groups)))
+
+
+def grouped_supported(num_rows: int, rhs: jax.Array) -> bool:
+    """Whether `grouped_dense_matmul` takes lhs [num_rows, K] by rhs [E, K, N]: bf16, and few
+    enough rows per group for a decode's tiles (more are a prefill's, bound by compute)."""
+    num_groups, k, n = rhs.shape
+    return (rhs.dtype == jnp.bfloat16 and n % TILE_N == 0 and k % 64 == 0
+            and grouped_tile(num_rows, num_groups) <= MAX_ROWS)
+
+
+def grouped_dense_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, num_sms: int,
+                         interpret: bool = False) -> jax.Array:
+    """`jax.lax.ragged_dot(lhs [M, K], rhs [E, K, N], group_sizes [E])` in lhs's dtype for bf16
+    experts (`interpret`: simulated on the CPU). Each tile of a group's rows (`grouped_tile` rows,
+    planned as the Triton grouped matmul plans them) streams its expert's weight once, the rows
+    the narrow side of the product as in `dense_matmul`: an MoE decode's few rows per expert. A
+    TMA copy of rows starts at a multiple of the shared-memory tiling and a group's rows start
+    anywhere, so XLA lays the rows out tile by tile first (a tile past its group's end repeats its
+    last row), and each row's product is gathered back from its tile (a row past every group comes
+    out zero)."""
+    num_rows, k = lhs.shape
+    if not grouped_supported(num_rows, rhs):
+        raise ValueError(f"grouped_dense_matmul cannot run lhs {lhs.shape} by {rhs.dtype} {rhs.shape}: "
+                         "see `grouped_supported`")
+    tile = grouped_tile(num_rows, rhs.shape[0])
+    plan = plan_tiles(group_sizes, num_rows, tile)
+    sources = jnp.minimum(plan[:, 1:2] + jnp.arange(tile, dtype=jnp.int32), plan[:, 2:3] - 1).reshape(-1)
+    x = lhs.astype(jnp.bfloat16)[jnp.clip(sources, 0, num_rows - 1)]
+    step = 128 if k % 128 == 0 else 64
+    partial = _partial_sums(x, rhs, None, step, num_sms, interpret, plan=plan, tile=tile)
+    by_tile = partial.sum(0).transpose(0, 2, 1).reshape(-1, rhs.shape[2])
+    place, valid = tile_major_rows(group_sizes, num_rows, tile)
+    return jnp.where(valid[:, None], by_tile[place], 0).astype(lhs.dtype)
+
+
 def fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(x [M, K] in e4m3, float32 scales [M, 1]): each row scaled so its absolute maximum is e4m3's
     largest value (W8A8's activations, scaled per token as the matmul runs)."""
@@ -115,55 +157,76 @@ def _transforms(cols: int, dtype) -> tuple:
 
 
 def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, step: int, num_sms: int,
-                  interpret: bool) -> jax.Array:
+                  interpret: bool, plan: jax.Array | None = None, tile: int = 0) -> jax.Array:
     """float32 [splits, N, M]: each K range's W @ x^T, int8 tiles scaled per group as they widen.
-    Without `scales`, `values` is a bf16 weight [K, N], its tiles read transposed."""
-    m, k = x.shape
+    Without `scales`, `values` is a bf16 weight [K, N], its tiles read transposed. With `plan`
+    (`common.plan_tiles`, tiles of `tile` rows), `values` holds a group's weight [K, N] each
+    ([E, K, N]), x holds the tiles' rows tile by tile, and the result is [splits, tiles, N, tile],
+    each tile's product by its group's weight (an unused tile's left unwritten)."""
+    grouped = plan is not None
+    m = tile if grouped else x.shape[0]
+    k = x.shape[1]
     dense = scales is None
-    n = values.shape[1 if dense else 0]
+    n = values.shape[-1] if dense else values.shape[0]
+    tiles = plan.shape[0] if grouped else 1
     steps = k // step
-    splits = split_count(n, steps, num_sms)
+    splits = split_count(n * tiles, steps, num_sms)
     per_split = steps // splits
     widen = values.dtype != x.dtype  # int8: to bf16 in registers; fp8 goes to the tensor cores as it is
 
-    def kernel(x_gmem, v_gmem, *rest, out_smem):
+    def kernel(*refs, out_smem):
+        plan_gmem, x_gmem, v_gmem, *rest = refs if grouped else (None, *refs)
         *s_gmem, out_gmem = rest  # the scales, but for a bf16 weight
         rows = pl.ds(lax.axis_index("n") * TILE_N, TILE_N)
         split = lax.axis_index("split")
         cols = pl.ds(split * per_split * step, per_split * step)
+        tokens, out_gmem = pl.ds(0, m), out_gmem.at[split]
+        if grouped:
+            tile = lax.axis_index("tile")
+            group = plan_gmem[tile, 0]
+            tokens = pl.ds(pl.multiple_of(tile * m, m), m)
+            v_gmem, out_gmem = v_gmem.at[jnp.maximum(group, 0)], out_gmem.at[tile]
 
-        @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, m), jnp.float32))
-        def _(acc):
-            def body(_, v_smem, x_smem, *s_smem):
-                w = v_smem.T if dense else v_smem
+        def product():
+            @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, m), jnp.float32))
+            def _(acc):
+                def body(_, v_smem, x_smem, *s_smem):
+                    w = v_smem.T if dense else v_smem
+                    if widen:
+                        w = v_smem[...].astype(jnp.bfloat16) * s_smem[0][0].astype(jnp.bfloat16)[:, None]
+                    plgpu.wgmma(acc, w, x_smem.T)
+                    plgpu.wgmma_wait(0)
+
+                if dense:
+                    weight = plgpu.BlockSpec((step, TILE_N), lambda j: (j, 0),
+                                             transforms=_transforms(TILE_N, values.dtype))
+                    refs = [v_gmem.at[cols, rows], x_gmem.at[tokens, cols]]
+                else:
+                    weight = plgpu.BlockSpec((TILE_N, step), lambda j: (0, j), transforms=_transforms(step, values.dtype))
+                    refs = [v_gmem.at[rows, cols], x_gmem.at[tokens, cols]]
+                specs = [weight, plgpu.BlockSpec((m, step), lambda j: (0, j), transforms=_transforms(step, x.dtype))]
                 if widen:
-                    w = v_smem[...].astype(jnp.bfloat16) * s_smem[0][0].astype(jnp.bfloat16)[:, None]
-                plgpu.wgmma(acc, w, x_smem.T)
-                plgpu.wgmma_wait(0)
+                    specs.append(plgpu.BlockSpec((1, TILE_N), lambda j: (j, 0)))
+                    refs.append(s_gmem[0].at[pl.ds(split * per_split, per_split), rows])
+                plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs,
+                                    max_concurrent_steps=min(STAGES, per_split))(*refs)
+                out_smem[...] = acc[...]
 
-            if dense:
-                weight = plgpu.BlockSpec((step, TILE_N), lambda j: (j, 0), transforms=_transforms(TILE_N, values.dtype))
-                refs = [v_gmem.at[cols, rows], x_gmem.at[:, cols]]
-            else:
-                weight = plgpu.BlockSpec((TILE_N, step), lambda j: (0, j), transforms=_transforms(step, values.dtype))
-                refs = [v_gmem.at[rows, cols], x_gmem.at[:, cols]]
-            specs = [weight, plgpu.BlockSpec((m, step), lambda j: (0, j), transforms=_transforms(step, x.dtype))]
-            if widen:
-                specs.append(plgpu.BlockSpec((1, TILE_N), lambda j: (j, 0)))
-                refs.append(s_gmem[0].at[pl.ds(split * per_split, per_split), rows])
-            plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs, max_concurrent_steps=min(STAGES, per_split))(*refs)
-            out_smem[...] = acc[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[rows])
+            plgpu.wait_smem_to_gmem(0)
 
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, rows])
-        plgpu.wait_smem_to_gmem(0)
+        if grouped:
+            pl.when(group >= 0)(product)
+        else:
+            product()
 
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
-        grid=(n // TILE_N, splits),
-        grid_names=("n", "split"),
+        out_type=jax.ShapeDtypeStruct((splits, *((tiles,) if grouped else ()), n, m), jnp.float32),
+        grid=(n // TILE_N, splits, *((tiles,) if grouped else ())),
+        grid_names=("n", "split", *(("tile",) if grouped else ())),
         scratch_types=dict(out_smem=plgpu.SMEM((TILE_N, m), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(x, values, *([] if dense else [scales]))
+    )(*(() if plan is None else (plan,)), x, values, *([] if dense else [scales]))

@@ -1,6 +1,7 @@
 """The Mixture-of-Experts MLP against a loop over experts, on fresh random weights, and the MoE
 configs read (expert parallelism: tests/test_tensor_parallel.py; LoRA: tests/test_lora.py)."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -8,8 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrunner import Runner, RunnerConfig
+from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.config import ModelConfig
 from jaxrunner.models.moe import moe_mlp, route
+from jaxrunner.runner import step
+from pallas_kernels.quantized_matmul import grouped_dense_matmul
+from tests.driver import drive
 
 MODELS = Path(__file__).parent / "data" / "models"
 
@@ -67,3 +73,27 @@ def test_qwen3_moe_config_and_its_dense_layers_refused(tmp_path):
     (tmp_path / "config.json").write_text(config)
     with pytest.raises(ValueError, match="mlp_only_layers"):
         ModelConfig.from_hf(tmp_path)
+
+
+def test_the_runner_runs_an_moe_decode_through_the_mosaic_kernel(monkeypatch):
+    """kernels="mosaic": the experts' grouped matmuls take the Mosaic GPU kernel (simulated here) and
+    give the Triton kernel's tokens, in bf16 on random weights, a prefill chunk beside decodes."""
+    traced = []
+
+    def counted(*args, **kwargs):
+        traced.append(args[1].shape)
+        return grouped_dense_matmul(*args, **kwargs)
+
+    monkeypatch.setattr(step, "grouped_dense_matmul", counted)
+    model = dataclasses.replace(shape("tiny"), architecture="MixtralForCausalLM", intermediate_size=64, num_experts=8,
+                                num_experts_per_tok=2)
+    params = random_params(model, "bfloat16", 5)
+    config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, num_blocks=48,
+                          dtype="bfloat16", token_buckets=(4, 32), request_buckets=(4,))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 500, n).tolist() for n in (40, 12, 25)]
+    tokens = {kernels: drive(Runner(model, params, dataclasses.replace(config, kernels=kernels)), prompts, 4,
+                             chunk=16, stagger=1)
+              for kernels in ("mosaic", "pallas")}
+    assert {(8, 64, 128), (8, 64, 64)} <= set(traced)  # gate|up and down, each token bucket's
+    assert tokens["mosaic"] == tokens["pallas"]

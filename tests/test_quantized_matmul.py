@@ -1,10 +1,11 @@
-"""The Mosaic GPU kernel for decode-shaped quantized matmuls (`pallas_kernels/quantized_matmul.py`).
+"""The Mosaic GPU kernel for decode-shaped matmuls (`pallas_kernels/quantized_matmul.py`).
 
 Without a GPU: the kernel lowers for Hopper (Mosaic GPU lowers on any machine; only its PTX needs the
-GPU), its fp8 form runs in Mosaic GPU's interpreter against a numpy reference, and
-`quantization.matmul` sends decode-shaped fp8 and int8 calls to it and the rest to XLA.
-On the H200 (`-m gpu`): the kernel against a numpy reference on fresh random weights, and a
-quantized model whose programs run it scoring a prompt as the same model does through XLA.
+GPU), its fp8, bf16 and grouped forms run in Mosaic GPU's interpreter against references, and
+`quantization.matmul` sends decode-shaped fp8 and int8 calls to it (bf16 ones with kernels="mosaic")
+and the rest to XLA.
+On the H200 (`-m gpu`): each form against a reference on fresh random weights, and a model whose
+programs run it scoring a prompt as the same model does through XLA.
 """
 
 from __future__ import annotations
@@ -48,16 +49,20 @@ def test_the_kernel_lowers_for_hopper(fmt, k, n):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("rows,fmt,num_sms,runs", [
-    (16, "fp8", 132, True), (64, "int8", 132, True),
-    (128, "fp8", 132, False),  # a prefill's rows: XLA, bound by compute there
-    (16, "int4", 132, False),  # no kernel for int4 yet
-    (16, "int8", 0, False),  # no GPU kernels (the references, or a CPU)
+@pytest.mark.parametrize("rows,fmt,num_sms,dense,runs", [
+    (16, "fp8", 132, False, True), (64, "int8", 132, False, True),
+    (128, "fp8", 132, False, False),  # a prefill's rows: XLA, bound by compute there
+    (16, "int4", 132, False, False),  # no kernel for int4 yet
+    (16, "int8", 0, False, False),  # no GPU kernels (the references, or a CPU)
+    (16, "bf16", 132, True, True),  # kernels="mosaic": bf16 weights too
+    (16, "bf16", 132, False, False), (128, "bf16", 132, True, False),
 ])
-def test_decode_shaped_calls_take_the_kernel(rows, fmt, num_sms, runs):
-    w = jax.eval_shape(functools.partial(quantize, fmt=fmt), jax.ShapeDtypeStruct((256, 128), jnp.float32))
+def test_decode_shaped_calls_take_the_kernel(rows, fmt, num_sms, dense, runs):
+    w = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+    if fmt != "bf16":
+        w = jax.eval_shape(functools.partial(quantize, fmt=fmt), jax.ShapeDtypeStruct((256, 128), jnp.float32))
     x = jax.ShapeDtypeStruct((rows, 256), jnp.bfloat16)
-    text = _lowered(functools.partial(quantization.matmul, num_sms=num_sms), x, w)
+    text = _lowered(functools.partial(quantization.matmul, num_sms=num_sms, dense=dense), x, w)
     assert ("mosaic_gpu" in text) == runs
 
 
@@ -106,6 +111,63 @@ def test_the_bf16_form_interpreted_matches_the_product(k, n, rows):
     assert not kernel.dense_supported(72, w) and not kernel.dense_supported(16, w.astype(jnp.float32))
 
 
+def _groups(rng, rows: int, experts: int, routed: int) -> jax.Array:
+    """Group sizes for `routed` of `rows` rows (the rest past every group) over `experts` experts,
+    some of them empty."""
+    chosen = rng.choice(experts, size=max(1, experts // 2), replace=False)
+    return jnp.asarray(np.bincount(rng.choice(chosen, size=routed), minlength=experts), jnp.int32)
+
+
+@pytest.mark.parametrize("k, n, sizes, rows", [(256, 128, (3, 0, 11, 1, 0, 3), 20), (192, 64, (0, 40, 2, 30), 72)])
+def test_the_grouped_form_interpreted_matches_ragged_dot(k, n, sizes, rows):
+    """`grouped_dense_matmul` simulated on the CPU against `ragged_dot`: empty experts, rows past
+    every group (zeros), a group over two tiles (of 8, then of 32 rows); 2 K ranges of 128, then
+    of 64."""
+    rng = np.random.default_rng(k + rows)
+    experts, routed = len(sizes), sum(sizes)
+    assert max(sizes) > kernel.grouped_tile(rows, experts)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, k, n)) * 0.05, jnp.bfloat16)
+    got = kernel.grouped_dense_matmul(x, w, sizes, num_sms=2, interpret=True)
+    want = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), sizes, precision="highest")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2,
+                               atol=2e-2 * float(jnp.abs(want).max()))
+    assert not np.asarray(got[routed:]).any()
+
+
+def test_the_grouped_form_takes_a_decodes_rows_only():
+    w = jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16)  # Qwen3-30B-A3B's gate|up
+    assert [kernel.grouped_tile(r, 128) for r in (8, 512, 2048, 8192)] == [8, 8, 16, 64]
+    assert kernel.grouped_supported(8192, w) and not kernel.grouped_supported(8193, w)  # a prefill: the Triton kernel
+    assert not kernel.grouped_supported(8, jax.ShapeDtypeStruct((128, 2048, 1536), jnp.float32))
+    assert not kernel.grouped_supported(8, jax.ShapeDtypeStruct((128, 2048, 96), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [8, 512, 2048])  # Qwen3-30B-A3B's decodes at batch 1, 64 and 256
+def test_the_grouped_form_lowers_for_hopper(rows):
+    for k, n in ((2048, 1536), (768, 2048)):
+        args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16),
+                jax.ShapeDtypeStruct((128,), jnp.int32))
+        assert "mosaic_gpu" in _lowered(functools.partial(kernel.grouped_dense_matmul, num_sms=132), *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 512, 2048])
+@pytest.mark.parametrize("k, n", [(2048, 1536), (768, 2048)])
+def test_the_grouped_form_matches_ragged_dot_on_the_gpu(k, n, rows):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(k + rows)
+    sizes = _groups(rng, rows, 128, rows - 3)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((128, k, n)) * 0.02, jnp.bfloat16)
+    got = kernel.grouped_dense_matmul(x, w, sizes, num_sms=platform.num_sms())
+    want = jax.lax.ragged_dot(x, w, sizes, precision="highest", preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
+    assert not np.asarray(got[rows - 3:]).any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [8, 16, 64])
 @pytest.mark.parametrize("fmt,k,n", CASES)
@@ -137,24 +199,27 @@ def test_the_bf16_form_matches_xla_on_the_gpu(k, n, rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_a_quantized_model_runs_the_kernel_and_scores_as_through_xla(fmt, monkeypatch):
-    """tiny-llama held in `fmt`: its prompt logprobs with the kernel in its programs (the calls
-    counted as they trace) against the same model's through XLA alone (the kernel refused)."""
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "bf16"])
+def test_a_model_runs_the_kernel_and_scores_as_through_xla(fmt, monkeypatch):
+    """tiny-llama held in `fmt` (bf16: with kernels="mosaic"): its prompt logprobs with the kernel
+    in its programs (the calls counted as they trace) against the same model's through XLA alone
+    (the kernel refused)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     prompt = np.load(DATA / "goldens" / "tiny-llama.npz")["prompt_0"].tolist()
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    options = dict(kernels="mosaic") if fmt == "bf16" else dict(quantization=fmt)
 
     def logprobs() -> np.ndarray:
-        with LLM(str(DATA / "models" / "tiny-llama"), quantization=fmt, dtype="bfloat16", skip_tokenizer_init=True,
-                 max_model_len=128, max_num_seqs=2, num_gpu_blocks_override=32) as llm:
+        with LLM(str(DATA / "models" / "tiny-llama"), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128,
+                 max_num_seqs=2, num_gpu_blocks_override=32, **options) as llm:
             out = llm.generate([prompt], score, use_tqdm=False)[0]
         return np.array([d[t].logprob for t, d in zip(prompt[1:], out.prompt_logprobs[1:])])
 
-    calls, traced = [], kernel.quantized_matmul
-    monkeypatch.setattr(kernel, "quantized_matmul", lambda *a, **k: calls.append(a[1].shape) or traced(*a, **k))
+    entry, check = ("dense_matmul", "dense_supported") if fmt == "bf16" else ("quantized_matmul", "supported")
+    calls, traced = [], getattr(kernel, entry)
+    monkeypatch.setattr(kernel, entry, lambda *a, **k: calls.append(a[1].shape) or traced(*a, **k))
     with_kernel = logprobs()
     assert calls, "no projection ran the kernel"
-    monkeypatch.setattr(kernel, "supported", lambda *a: False)
+    monkeypatch.setattr(kernel, check, lambda *a: False)
     np.testing.assert_allclose(with_kernel, logprobs(), atol=0.1)

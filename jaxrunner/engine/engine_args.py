@@ -57,7 +57,7 @@ class EngineArgs:
     dispatch each step before the previous step's output reaches the host. `max_bad_word_len`: the
     most tokens a bad word may have (the sampler's bad-word arrays are this wide). `kernels`: "auto" (Pallas on a GPU, the jnp
     references elsewhere), "pallas" (interpreted off a GPU), "mosaic" ("pallas" with the Mosaic GPU
-    prefill attention, `config.Kernels`) or "reference". `speculative_config`:
+    kernels, `config.Kernels`) or "reference". `speculative_config`:
     vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     "prompt_lookup_min": 2} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}
     (`config.SpeculativeConfig`). `enable_lora`: serve LoRA adapters (`LoRARequest`), up to `max_loras`

@@ -45,7 +45,7 @@ class PagedAttention:
     and the kernel choice its structure), so the jitted decoder layer takes it as an argument.
 
     With Pallas kernels both halves are Pallas (the KV write aliased in place; the
-    decode-specialised attention when every sequence has one query token; with `mosaic_attention`
+    decode-specialised attention when every sequence has one query token; with `kernels.mosaic`
     the other batches through the Mosaic GPU kernel where it takes them). Otherwise they are the
     pure-jnp scatter and reference, which compute the same function.
     """
@@ -88,7 +88,7 @@ class PagedAttention:
             if self.uniform_decode:
                 attention = functools.partial(ragged_paged_attention_decode, num_sms=kernels.num_sms, **options,
                                               queries_per_seq=self.queries_per_seq, interpret=kernels.interpret)
-            elif kernels.mosaic_attention and mosaic_supported(q, k_cache):
+            elif kernels.mosaic and mosaic_supported(q, k_cache):
                 attention = functools.partial(mosaic_prefill_attention, **options, interpret=kernels.interpret)
             else:
                 attention = functools.partial(ragged_paged_attention, **options, interpret=kernels.interpret,

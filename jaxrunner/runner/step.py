@@ -40,6 +40,7 @@ from jaxrunner.pytree import pytree_dataclass
 from jaxrunner.runner.state import RunnerState
 from jaxrunner.sampling import SamplerFlags, SamplerOutput, SamplingMetadata, compute_logprobs, sample
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_in_tiles, supported
+from pallas_kernels.quantized_matmul import grouped_dense_matmul, grouped_supported
 
 
 @pytree_dataclass
@@ -136,7 +137,8 @@ def resolve_positions(state: RunnerState, inp: TokenInputs) -> TokenInputs:
 def moe_matmul(kernels: Kernels, model: ModelConfig) -> GroupedMatmul:
     """The MoE MLP's grouped matmul: the Pallas kernel along with the Pallas attention (XLA's
     `ragged_dot` reads every expert's weights), where its shapes allow, a decode's few rows with
-    K spread over programs enough for two per SM; else `ragged_dot`.
+    K spread over programs enough for two per SM (with `kernels.mosaic`, a decode's through the
+    Mosaic GPU kernel); else `ragged_dot`.
     Batch-invariant, in tiles of GROUPED_TILE_ROWS rows (the kernel's, or the same tiles through
     XLA), so a row's products do not depend on what the batch routes beside it. Cached, so each
     choice is one object: the jitted decoder layer takes it as a static argument."""
@@ -144,19 +146,31 @@ def moe_matmul(kernels: Kernels, model: ModelConfig) -> GroupedMatmul:
     if kernels.pallas and supported(model.hidden_size, 2 * model.intermediate_size) and supported(
             model.intermediate_size, model.hidden_size):
         spread = {} if kernels.batch_invariant else dict(min_programs=2 * kernels.num_sms)
-        return functools.partial(grouped_matmul, interpret=kernels.interpret, **fixed, **spread)
+        triton = functools.partial(grouped_matmul, interpret=kernels.interpret, **fixed, **spread)
+        if kernels.mosaic:
+            return functools.partial(_mosaic_decode, triton, num_sms=kernels.num_sms, interpret=kernels.interpret)
+        return triton
     return functools.partial(grouped_matmul_in_tiles, **fixed) if fixed else jax.lax.ragged_dot
+
+
+def _mosaic_decode(wider: GroupedMatmul, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, num_sms: int,
+                   interpret: bool) -> jax.Array:
+    """A decode's few rows per expert through the Mosaic GPU kernel, which streams each expert's
+    weight with TMA; a prefill's through `wider` (the shapes decide as the program traces)."""
+    if grouped_supported(lhs.shape[0], rhs):
+        return grouped_dense_matmul(lhs, rhs, group_sizes, num_sms=num_sms, interpret=interpret)
+    return wider(lhs, rhs, group_sizes)
 
 
 @functools.cache
 def projection_matmul(kernels: Kernels) -> Matmul:
     """The layers' projections: with the Pallas kernels on a GPU, quantized weights' decode-shaped
-    calls run the Mosaic kernel (`quantization.matmul`); batch-invariant, tile by tile: in fixed
-    tiles of the grouped matmul kernel with the Pallas kernels, else a loop of row tiles
-    (`row_tiles`). Cached, as `moe_matmul`."""
+    calls run the Mosaic kernel (`quantization.matmul`), and with `kernels.mosaic` bf16 weights'
+    too; batch-invariant, tile by tile: in fixed tiles of the grouped matmul kernel with the Pallas
+    kernels, else a loop of row tiles (`row_tiles`). Cached, as `moe_matmul`."""
     product = quantization.matmul
     if kernels.pallas and not kernels.interpret:
-        product = functools.partial(quantization.matmul, num_sms=kernels.num_sms)
+        product = functools.partial(quantization.matmul, num_sms=kernels.num_sms, dense=kernels.mosaic)
     if not kernels.batch_invariant:
         return product
     if kernels.pallas:
