@@ -60,14 +60,16 @@ def _free_executables():
 
 @pytest.fixture
 def fresh_jax_cache():
-    """JAX's persistent compilation cache as a fresh process finds it: off until a runner names its
-    directory (then initialized there anew). Program-cache tests use it, so that executables JAX
-    stored for other tests (never stored by the program cache) cannot stand in for their compiles."""
+    """JAX's compilation caches as a fresh process finds them: none in memory, the persistent one off
+    until a runner names its directory (then initialized there anew). Program-cache tests use it,
+    so that executables JAX holds or stored for other tests (which the program cache never stores)
+    cannot stand in for their compiles."""
     from jax.experimental.compilation_cache import compilation_cache
 
     old = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
+    jax.clear_caches()
     yield
     jax.config.update("jax_compilation_cache_dir", old)
     compilation_cache.reset_cache()

@@ -13,7 +13,9 @@ import threading
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 from driver import drive
 
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
@@ -160,6 +162,31 @@ def test_program_cache_loads_every_program_without_lowering_and_runs_the_same(tm
     assert runs[0][2] == runs[1][2]
 
 
+def test_programs_jax_loaded_from_its_cache_are_not_stored(tmp_path, fresh_jax_cache):
+    """An executable JAX loaded from its persistent cache, handed back again from memory for the same
+    lowering, is not stored: on the CPU such a file loads but cannot run ("Function ... not found").
+    What is stored is XLA's own compile, and runs."""
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
+    runner, programs = _runner_and_programs()
+    programs = [p for p in programs if p.kind.name in ("write_blocks", "sample")][:3]
+    Programs(runner.ctx).compile_all(programs)  # XLA compiles them; JAX stores them in its cache
+    jax.clear_caches()
+    Programs(runner.ctx).compile_all(programs)  # JAX loads them from its cache
+    store = ProgramCache(tmp_path / "programs")
+    Programs(runner.ctx, store).compile_all(programs)  # JAX hands back what it loaded
+    assert not list(tmp_path.rglob("*.jaxexe"))
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "empty"))
+    compilation_cache.reset_cache()
+    jax.clear_caches()
+    Programs(runner.ctx, store).compile_all(programs)  # XLA compiles them
+    loaded = Programs(runner.ctx, store)
+    loaded.compile_all(programs)
+    assert loaded.loaded == len(programs) == len(list(tmp_path.rglob("*.jaxexe")))
+    for program in programs:  # on fresh buffers: the programs donate theirs
+        args = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), program.args)
+        jax.block_until_ready(loaded.executable(program)(*args))
+
+
 def test_program_cache_keys_are_the_same_in_another_process(tmp_path):
     # A key must not depend on object ids or hash seeds, or a new process never finds its programs.
     script = (
@@ -180,6 +207,7 @@ def test_a_cached_program_that_does_not_load_is_compiled_again_and_rewritten(tmp
     Programs(runner.ctx, ProgramCache(tmp_path)).compile_all([program])
     [path] = tmp_path.glob("*.jaxexe")
     path.write_bytes(path.read_bytes()[:100])
+    jax.clear_caches()  # as a new process: XLA compiles it again
     runs = [Programs(runner.ctx, ProgramCache(tmp_path)) for _ in range(2)]
     for programs in runs:
         programs.compile_all([program])

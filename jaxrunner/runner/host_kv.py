@@ -49,7 +49,7 @@ class HostKV:
         self.block_bytes = sum(pool[0].nbytes for pool in self.pool)
         self._saving: deque[tuple[np.ndarray, tuple[jax.Array, ...]]] = deque()  # (host slots, pages on their way)
         # Per step with loads, oldest first: its (device blocks, pages on their way) parts.
-        self._arriving: deque[list[tuple[np.ndarray, list[jax.Array]]]] = deque()
+        self._arriving: deque[list[tuple[np.ndarray, tuple[jax.Array, ...]]]] = deque()
         self._written = 0  # steps whose loads are written into the cache
         self.stats = HostKVStats()
 
@@ -91,7 +91,7 @@ class HostKV:
                 pages = [np.zeros((n, *pool.shape[1:]), pool.dtype) for pool in self.pool]
                 for page, pool in zip(pages, self.pool):
                     page[: part.stop - part.start] = pool[slots[part]]
-                parts.append((padded, [jax.device_put(p, s) for p, s in zip(pages, self.shardings)]))
+                parts.append((padded, tuple(jax.device_put(p, s) for p, s in zip(pages, self.shardings))))
             self._arriving.append(parts)
             self.stats.bytes_loaded += len(slots) * self.block_bytes
         if transfers.saves:

@@ -45,7 +45,7 @@ def _environment() -> tuple:
     )
 
 
-_compiles = threading.local()  # per compiling thread: whether its compile was a persistent-cache hit
+_compiles = threading.local()  # per compiling thread: whether its compile ran XLA
 
 
 def _note_cache_hit(event: str, **_) -> None:
@@ -53,16 +53,23 @@ def _note_cache_hit(event: str, **_) -> None:
         _compiles.hit = True
 
 
+def _note_compile(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":  # XLA, or JAX's persistent cache
+        _compiles.ran = True
+
+
 jax.monitoring.register_event_listener(_note_cache_hit)
+jax.monitoring.register_event_duration_secs_listener(_note_compile)
 
 
 def compile_noting_cache_hits(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
-    """The executable, and whether XLA compiled it here rather than JAX loading it from its
-    persistent cache. Only the first kind may be stored: one JAX loaded serializes into a file that
-    XLA:CPU loads but cannot run ("Function ... not found")."""
-    _compiles.hit = False
+    """The executable, and whether XLA compiled it in this call. Only such a one may be stored: one
+    JAX loaded from its persistent cache serializes into a file that XLA:CPU loads but cannot run
+    ("Function ... not found"), and JAX hands back, with neither event, an executable it holds in
+    memory for the same lowering, which an earlier compile may have loaded so."""
+    _compiles.ran = _compiles.hit = False
     exe = lowered.compile()
-    return exe, not _compiles.hit
+    return exe, _compiles.ran and not _compiles.hit
 
 
 class ProgramCache:
