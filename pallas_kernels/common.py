@@ -45,14 +45,16 @@ def tree_sum(x: jax.Array) -> jax.Array:
 def plan_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
     """i32 [min(ceil(M / block_m) + E, M), 3]: each tile of the grouped matmuls' rows, `block_m` rows
     of one group (a group's last tile partial), as its group (-1: unused), first row and the group's
-    end row. Used tiles come first; every one holds a row, so there are at most M of them."""
+    end row. Used tiles come first; every one holds a row, so there are at most M of them. The
+    searches compare every pair (E is small): the default binary search is a while loop, several
+    launches an iteration on a GPU, in every MoE layer."""
     sizes = group_sizes.astype(jnp.int32)
     num_groups = sizes.shape[0]
     tiles = cdiv(sizes, block_m)
     tile_end = jnp.cumsum(tiles)
     row_start = jnp.cumsum(sizes) - sizes
     i = jnp.arange(min(cdiv(num_rows, block_m) + num_groups, num_rows), dtype=jnp.int32)
-    group = jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32)
+    group = jnp.searchsorted(tile_end, i, side="right", method="compare_all").astype(jnp.int32)
     g = jnp.minimum(group, num_groups - 1)
     first = row_start[g] + (i - (tile_end[g] - tiles[g])) * block_m
     return jnp.stack([jnp.where(group < num_groups, group, -1), first, row_start[g] + sizes[g]], axis=1)
@@ -65,7 +67,7 @@ def tile_major_rows(group_sizes: jax.Array, num_rows: int, block_m: int) -> tupl
     tiles = cdiv(sizes, block_m)
     group_end = jnp.cumsum(sizes)
     r = jnp.arange(num_rows, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(group_end, r, side="right"), sizes.shape[0] - 1)
+    g = jnp.minimum(jnp.searchsorted(group_end, r, side="right", method="compare_all"), sizes.shape[0] - 1)
     offset = r - (group_end[g] - sizes[g])
     place = (jnp.cumsum(tiles)[g] - tiles[g] + offset // block_m) * block_m + offset % block_m
     valid = r < group_end[-1]

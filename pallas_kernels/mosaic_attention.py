@@ -113,7 +113,8 @@ def mosaic_prefill_attention(
     short = ragged_paged_attention(*args, **options, queries=(0, decode_queries))
     total = query_start_loc[num_seqs]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], t, side="right"), query_start_loc.shape[0] - 2)
+    seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], t, side="right", method="compare_all"),
+                      query_start_loc.shape[0] - 2)
     counts = jnp.where(t < total, query_start_loc[seq + 1] - query_start_loc[seq], num_tokens - total)
     return jnp.where((counts >= decode_queries)[:, None, None], out, short)
 

@@ -2,6 +2,7 @@
 configs read (expert parallelism: tests/test_tensor_parallel.py; LoRA: tests/test_lora.py)."""
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -11,8 +12,9 @@ import pytest
 
 from jaxrunner import Runner, RunnerConfig
 from jaxrunner.checkpoints.dummy import random_params, shape
-from jaxrunner.config import ModelConfig
+from jaxrunner.config import Kernels, ModelConfig
 from jaxrunner.models.moe import moe_mlp, route
+from jaxrunner.platform import H200
 from jaxrunner.runner import step
 from pallas_kernels.quantized_matmul import grouped_dense_matmul
 from tests.driver import drive
@@ -97,3 +99,20 @@ def test_the_runner_runs_an_moe_decode_through_the_mosaic_kernel(monkeypatch):
               for kernels in ("mosaic", "pallas")}
     assert {(8, 64, 128), (8, 64, 64)} <= set(traced)  # gate|up and down, each token bucket's
     assert tokens["mosaic"] == tokens["pallas"]
+
+
+@pytest.mark.parametrize("mosaic", [False, True])
+def test_an_moe_layer_for_the_gpu_runs_no_loop(mosaic):
+    """The MLP as a GPU step runs it (Qwen3-30B-A3B's shape at a decode of 16 tokens; the Triton
+    kernel, or with kernels="mosaic" the Mosaic form), lowered on the CPU: no while loop, whose
+    every iteration costs kernel launches on a GPU in every layer (a binary search planned the
+    tiles before)."""
+    cfg = shape("qwen3-30b-a3b")
+    kernels = Kernels(pallas=True, interpret=False, num_sms=132, mosaic=mosaic)
+    h, e, i = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((16, h), (h, e), (e, h, 2 * i), (e, i, h))]
+    mlp = functools.partial(moe_mlp, act=jax.nn.silu, cfg=cfg, grouped_matmul=step.moe_matmul(kernels, cfg))
+    with jax.sharding.use_abstract_mesh(H200):
+        text = jax.jit(mlp).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("mosaic_gpu" in text) == mosaic and ("__gpu$xla.gpu.triton" in text) != mosaic
+    assert "stablehlo.while" not in text

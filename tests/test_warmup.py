@@ -24,6 +24,7 @@ from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.models.llama import init_params
 from jaxrunner.checkpoints.dummy import shape
+from jaxrunner.runner import program_cache
 from jaxrunner.runner.program_cache import ProgramCache
 from jaxrunner.runner.programs import Programs
 
@@ -185,6 +186,18 @@ def test_programs_jax_loaded_from_its_cache_are_not_stored(tmp_path, fresh_jax_c
     for program in programs:  # on fresh buffers: the programs donate theirs
         args = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), program.args)
         jax.block_until_ready(loaded.executable(program)(*args))
+
+
+def test_program_cache_keys_follow_the_sources(monkeypatch):
+    """A program compiled from other code is another program: the key hashes every source the
+    lowering is made from (the runner's and the kernels'), so an upgrade never loads a stale one."""
+    names = {path.relative_to(program_cache.PACKAGES).as_posix() for path in program_cache.source_files()}
+    assert {"jaxrunner/runner/step.py", "jaxrunner/models/llama.py", "pallas_kernels/attention_kernel.py"} <= names
+    runner, programs = _runner_and_programs()
+    program, cache = programs[0], ProgramCache("unused")
+    key = cache.key(program.kind.jitted, program.key, program.args, program.statics)
+    monkeypatch.setattr(program_cache, "_source_digest", lambda: "other sources")
+    assert cache.key(program.kind.jitted, program.key, program.args, program.statics) != key
 
 
 def test_program_cache_keys_are_the_same_in_another_process(tmp_path):

@@ -26,13 +26,19 @@ from jax.experimental.serialize_executable import deserialize_and_load, serializ
 logger = logging.getLogger(__name__)
 
 
+PACKAGES = pathlib.Path(__file__).parents[2]  # the directory that holds jaxrunner and pallas_kernels
+
+
+def source_files() -> list[pathlib.Path]:
+    """The sources a program's lowering is made from."""
+    return [path for name in ("jaxrunner", "pallas_kernels") for path in sorted((PACKAGES / name).rglob("*.py"))]
+
+
 @functools.cache
 def _source_digest() -> str:
     digest = hashlib.sha256()
-    packages = pathlib.Path(__file__).parents[1]
-    for root in (packages / "jaxrunner", packages / "pallas_kernels"):
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    for path in source_files():
+        digest.update(str(path.relative_to(PACKAGES)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
