@@ -182,10 +182,10 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
         cols = pl.ds(split * per_split * step, per_split * step)
         tokens, out_gmem = pl.ds(0, m), out_gmem.at[split]
         if grouped:
-            tile = lax.axis_index("tile")
-            group = plan_gmem[tile, 0]
-            tokens = pl.ds(pl.multiple_of(tile * m, m), m)
-            v_gmem, out_gmem = v_gmem.at[jnp.maximum(group, 0)], out_gmem.at[tile]
+            index = lax.axis_index("tile")
+            group = plan_gmem[index, 0]
+            tokens = pl.ds(pl.multiple_of(index * m, m), m)
+            v_gmem, out_gmem = v_gmem.at[jnp.maximum(group, 0)], out_gmem.at[index]
 
         def product():
             @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, m), jnp.float32))
