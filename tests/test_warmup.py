@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -85,17 +86,15 @@ def test_a_background_warm_up_steps_with_the_buckets_ready_and_never_compiles_on
     """`warmup(background=True)` compiles the largest buckets' programs, and steps pad up to them
     while a thread compiles the rest (held back here until the first workload ran); then the
     smaller buckets serve, the same tokens come out, and no step compiled anything."""
-    # tiny-llama: XLA:CPU shares compiled kernels between executables of one process, and the
-    # program-cache test below must not find tiny-qwen2's already there (docs/design.md)
     cfg, params = load_model(MODEL.parent / "tiny-llama", "float32")
     config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_blocks=72)
     runner = Runner(cfg, params, config)
     release, warm_up = threading.Event(), runner.programs.warm_up
 
-    def held_back(*args):
+    def held_back(*args, **kwargs):
         if threading.current_thread().name == "jaxrunner-warm-up":
             release.wait(300)
-        return warm_up(*args)
+        return warm_up(*args, **kwargs)
 
     monkeypatch.setattr(runner.programs, "warm_up", held_back)
     report = runner.warmup(background=True)
@@ -109,6 +108,25 @@ def test_a_background_warm_up_steps_with_the_buckets_ready_and_never_compiles_on
     assert drive(runner, prompts, 10, chunk=13) == first
     assert min(key[1] for key in runner.programs.asked if key[0] == "forward") < config.max_num_batched_tokens
     assert runner.programs.asked <= runner.programs.warm and runner.programs.compiled_on_use == 0
+
+
+def test_closing_the_engine_ends_a_background_warm_up(monkeypatch):
+    """close() (also run when the engine is dropped or the interpreter exits) ends a background
+    warm-up once the compiles it started are done, and waits for them: a compile still running at
+    the interpreter's exit aborts the process. Compiles are slowed here so that it is mid-way."""
+    compile_one = Programs._compile
+
+    def slow(self, *args):
+        time.sleep(0.3)
+        return compile_one(self, *args)
+
+    monkeypatch.setattr(Programs, "_compile", slow)
+    llm = LLM(str(MODEL), skip_tokenizer_init=True, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
+              block_size=8, num_gpu_blocks_override=24, enforce_eager=False, compile_in_background=True)
+    programs = llm.llm_engine.runner.programs
+    llm.close()
+    assert "jaxrunner-warm-up" not in {thread.name for thread in threading.enumerate()}
+    assert len(programs.warm) < len(programs.warmup_programs())
 
 
 def test_the_gpu_default_warms_up_a_sampler_per_variant_for_each_power_of_four():

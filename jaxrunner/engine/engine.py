@@ -162,9 +162,9 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []  # outputs the next step() returns first
         self._token_texts: dict[int, str] = {}
         self._in_flight: deque[PendingOutput] = deque()
-        # A step still running on the device when the interpreter exits makes it abort (SIGABRT):
-        # wait for whatever is in flight then, or when the engine is dropped.
-        self._finalizer = weakref.finalize(self, _wait_for, self._in_flight)
+        # A step still running on the device, or a background warm-up's compile, when the interpreter
+        # exits makes it abort (SIGABRT): wait for them then, or when the engine is dropped.
+        self._finalizer = weakref.finalize(self, _wait_for, self._in_flight, self.runner)
         if not defer_warm_up:
             self.warm_up()
 
@@ -507,6 +507,7 @@ class LLMEngine:
         )
 
 
-def _wait_for(in_flight: deque[PendingOutput]) -> None:
+def _wait_for(in_flight: deque[PendingOutput], runner: Runner) -> None:
     for pending in in_flight:
         pending.get()
+    runner.stop_warmup()

@@ -22,6 +22,7 @@ import functools
 import inspect
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -244,14 +245,14 @@ class Programs:
         return [p for kind in KINDS for p in self.examples(kind, plans)]
 
     def warm_up(self, programs: Sequence[Program] | None = None, progress: Progress = lambda done, total: None,
-                total: int | None = None) -> tuple[int, int]:
+                total: int | None = None, stop: threading.Event | None = None) -> tuple[int, int]:
         """Compile `programs` (every program of `warmup_programs` if None); (how many there are, how
         many were new). `progress(done, total)` hears of each one ready, out of `total` if given
-        (a background warm-up's, over its tiers)."""
+        (a background warm-up's, over its tiers). Once `stop` is set, no further program starts."""
         programs = self.warmup_programs() if programs is None else programs
         report = progress if total is None else lambda done, _: progress(done, total)
-        compiled = self.compile_all(programs, progress=report)
-        self.warm.update(p.key for p in programs)
+        compiled = self.compile_all(programs, progress=report, stop=stop)
+        self.warm.update(p.key for p in programs if p.key in self._compiled)
         return len(programs), compiled
 
     def run(self, kind: Kind, **named):
@@ -272,11 +273,12 @@ class Programs:
         return self._compiled[program.key]
 
     def compile_all(self, programs: Sequence[Program], workers: int | None = None,
-                    progress: Progress = lambda done, total: None) -> int:
+                    progress: Progress = lambda done, total: None, stop: threading.Event | None = None) -> int:
         """Make the programs not compiled yet ready, in parallel; how many that was. Those in the
         program cache are loaded; each other is lowered and handed to the pool at once, so lowering
         the next (Python, under the GIL) overlaps compiling the previous ones: list the slowest
-        compiles first. `progress(done, total)` is called as programs become ready."""
+        compiles first. `progress(done, total)` is called as programs become ready. Once `stop`
+        is set no further program is lowered; those handed to the pool finish."""
         todo = {p.key: p for p in programs if p.key not in self._compiled}
         total = len(programs)
         devices = tuple(d.id for d in self.ctx.mesh.devices.flat) if self.ctx.mesh is not None else ()  # a replica's own
@@ -293,6 +295,8 @@ class Programs:
             progress(ready, total)
             futures = {}
             for key, p in todo.items():
+                if stop is not None and stop.is_set():
+                    break
                 if key not in self._compiled:
                     start = time.perf_counter()
                     lowered = self._lower(p)
@@ -302,7 +306,7 @@ class Programs:
                 self._compiled[futures[future]] = future.result()
                 ready += 1
                 progress(ready, total)
-        return len(todo)
+        return sum(key in self._compiled for key in todo)
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
         """Under tensor parallelism, on the context's mesh: host arrays are then replicated over it."""

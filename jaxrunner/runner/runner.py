@@ -102,6 +102,7 @@ class Runner:
         self.programs = shared_programs(self.ctx)
         self._serving = self.ctx  # what steps are planned with: a background warm-up's tier meanwhile (`warmup`)
         self._warming: threading.Thread | None = None
+        self._stop_warming = threading.Event()
         self.lora = init_lora(model_config, config.lora, self.ctx.dtype)  # the adapter slots (() without LoRA)
         self.adapters = Adapters(model_config, config.lora)
         self.host_kv = HostKV(self.ctx, self.programs) if config.num_host_blocks else None  # the host tier's pool
@@ -292,7 +293,10 @@ class Runner:
         start = time.perf_counter()
         try:
             for tier in tiers:
-                self.programs.warm_up(self.programs.warmup_programs(tier), progress, total)
+                programs = self.programs.warmup_programs(tier)
+                self.programs.warm_up(programs, progress, total, stop=self._stop_warming)
+                if self._stop_warming.is_set():
+                    return
                 self._serving = tier  # the next step may use its buckets: all their programs are ready
         except Exception:  # serving goes on with the buckets compiled so far
             logger.exception("the background warm-up stopped; steps keep the buckets compiled so far: %s",
@@ -304,6 +308,13 @@ class Runner:
         """Wait for a background warm-up (`warmup(background=True)`) to finish."""
         if self._warming is not None:
             self._warming.join(timeout)
+
+    def stop_warmup(self) -> None:
+        """End a background warm-up once the compiles it has started are done, and wait for that:
+        a compile still running when the interpreter exits aborts the process. Steps keep the
+        buckets compiled so far."""
+        self._stop_warming.set()
+        self.join_warmup()
 
     def peak_step_bytes(self) -> int:
         """Temporary device memory of the largest step, from the compiled executables of the largest
