@@ -11,6 +11,7 @@ programs run it scoring a prompt as the same model does through XLA.
 from __future__ import annotations
 
 import functools
+import gc
 from pathlib import Path
 
 import jax
@@ -221,5 +222,16 @@ def test_a_model_runs_the_kernel_and_scores_as_through_xla(fmt, monkeypatch):
     monkeypatch.setattr(kernel, entry, lambda *a, **k: calls.append(a[1].shape) or traced(*a, **k))
     with_kernel = logprobs()
     assert calls, "no projection ran the kernel"
-    monkeypatch.setattr(kernel, check, lambda *a: False)
-    np.testing.assert_allclose(with_kernel, logprobs(), atol=0.1)
+    refused = []
+
+    def refuse(*args) -> bool:
+        refused.append(args)
+        return False
+
+    monkeypatch.setattr(kernel, check, refuse)
+    calls.clear()
+    gc.collect()  # the first engine's programs go with it,
+    jax.clear_caches()  # and the step functions trace again: without the kernel now
+    through_xla = logprobs()
+    assert refused and not calls, "the second engine did not trace its programs again"
+    np.testing.assert_allclose(with_kernel, through_xla, atol=0.1)
