@@ -565,6 +565,10 @@ class RunnerConfig:
                      "num_scheduler_steps", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunnerConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_num_seqs > self.max_num_batched_tokens:  # a step schedules a token per request at least
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least max_num_seqs="
+                             f"{self.max_num_seqs}: a decode step schedules one token per request; raise "
+                             "max_num_batched_tokens or lower max_num_seqs")
         if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
             raise ValueError(f"RunnerConfig.num_host_blocks must be an integer of at least 0, got {self.num_host_blocks!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -28,6 +28,8 @@ def test_saved_blocks_come_back_bitwise_one_step_after_their_load(tp, kv_cache_d
     """The runner's copies alone, on random pages: blocks saved to host slots and loaded into other
     blocks arrive bitwise in every page (each layer's K and V, split over the devices under TP), in
     the step after the one that loads them, and nothing else changes."""
+    if jax.device_count() < tp:
+        pytest.skip(f"needs {tp} devices (the CPU suite forces them; a one-GPU machine has one)")
     model, params = load_model(DATA / "models" / "tiny-llama", "float32")
     cfg = RunnerConfig(max_model_len=64, block_size=4, num_blocks=16, num_host_blocks=8, tensor_parallel_size=tp,
                        kv_cache_dtype=kv_cache_dtype)

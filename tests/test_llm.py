@@ -233,3 +233,16 @@ def test_tiny_checkpoint_matches_hf_greedy():
     assert all(o.outputs[0].text == "" for o in outs)
     with pytest.raises(ValueError, match="need a tokenizer"):
         llm.generate("text", use_tqdm=False)
+
+
+def test_a_token_budget_below_the_default_request_slots_lowers_them():
+    """Only max_num_batched_tokens given, below the platform's default max_num_seqs (256 on a GPU, 8
+    here): the slots follow it, so that warm-up's decode of every slot fits a step; a conflicting
+    pair given explicitly is refused at once, as vLLM refuses it."""
+    with LLM(TINY_MODEL, skip_tokenizer_init=True, max_num_batched_tokens=4, max_model_len=64,
+             enforce_eager=False) as llm:
+        assert llm.llm_engine.config.max_num_seqs == 4
+        out = llm.generate([{"prompt_token_ids": [3, 4, 5, 6, 7, 8]}] * 2, SamplingParams(max_tokens=3), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+    with pytest.raises(ValueError, match="max_num_batched_tokens=4 must be at least max_num_seqs=8"):
+        LLM(TINY_MODEL, skip_tokenizer_init=True, max_num_seqs=8, max_num_batched_tokens=4)

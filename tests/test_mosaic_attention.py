@@ -143,3 +143,13 @@ def test_compiled_on_the_gpu_matches_the_reference(block_k, stages, registers, p
                                     config=MosaicConfig(block_k, stages, registers, pingpong)))(*args)
     want = reference_ragged_paged_attention(*args, **options)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_the_runner_takes_the_sweeps_fastest_form_on_a_gpu():
+    """Blocks of 128 keys with P in registers on a GPU (docs/benchmarks.md's sweep), where shared
+    memory holds them (heads of 128, not of 256); interpreted, the form the interpreter runs."""
+    q, pages = jax.ShapeDtypeStruct((256, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 16, 8, 128), jnp.bfloat16)
+    assert attention.mosaic_config(q, pages, interpret=False) == MosaicConfig(block_k=128, registers=True)
+    assert attention.mosaic_config(q, pages, interpret=True) == MosaicConfig()
+    wide = jax.ShapeDtypeStruct((256, 8, 256), jnp.bfloat16), jax.ShapeDtypeStruct((64, 16, 4, 256), jnp.bfloat16)
+    assert attention.mosaic_config(*wide, interpret=False) == MosaicConfig()

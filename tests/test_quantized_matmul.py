@@ -162,7 +162,7 @@ def test_the_grouped_form_matches_ragged_dot_on_the_gpu(k, n, rows):
     rng = np.random.default_rng(k + rows)
     sizes = _groups(rng, rows, 128, rows - 3)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((128, k, n)) * 0.02, jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(k + rows), (128, k, n)) * 0.02).astype(jnp.bfloat16)  # on the device
     got = kernel.grouped_dense_matmul(x, w, sizes, num_sms=platform.num_sms())
     want = jax.lax.ragged_dot(x, w, sizes, precision="highest", preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
@@ -201,7 +201,7 @@ def test_the_bf16_form_matches_xla_on_the_gpu(k, n, rows):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "bf16"])
-def test_a_model_runs_the_kernel_and_scores_as_through_xla(fmt, monkeypatch):
+def test_a_model_runs_the_kernel_and_scores_as_through_xla(fmt, monkeypatch, tmp_path):
     """tiny-llama held in `fmt` (bf16: with kernels="mosaic"): its prompt logprobs with the kernel
     in its programs (the calls counted as they trace) against the same model's through XLA alone
     (the kernel refused)."""
@@ -231,7 +231,8 @@ def test_a_model_runs_the_kernel_and_scores_as_through_xla(fmt, monkeypatch):
     monkeypatch.setattr(kernel, check, refuse)
     calls.clear()
     gc.collect()  # the first engine's programs go with it,
-    jax.clear_caches()  # and the step functions trace again: without the kernel now
+    jax.clear_caches()  # the step functions trace again: without the kernel now,
+    monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path))  # and no program cache serves the kernel's
     through_xla = logprobs()
     assert refused and not calls, "the second engine did not trace its programs again"
     np.testing.assert_allclose(with_kernel, through_xla, atol=0.1)

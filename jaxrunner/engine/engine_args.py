@@ -143,7 +143,9 @@ class EngineArgs:
                 raise ValueError("kv_offloading_size keeps the prefix cache's evicted blocks in host memory, so it needs "
                                  "enable_prefix_caching=True")
         check_int(where, "max_loras", self.max_loras, 1)
-        self.create_runner_config()  # RunnerConfig's rules (and its parts'), before anything loads
+        sizes = {} if self.max_num_seqs is None or self.max_num_batched_tokens is None else dict(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+        self.create_runner_config(**sizes)  # RunnerConfig's rules (and its parts'), before anything loads
 
     def create_runner_config(self, **sizes: Any) -> RunnerConfig:
         """The runner's config from these arguments, with `sizes` (what the model and the device decide:
@@ -206,9 +208,17 @@ def runner_config(
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
             f"{model.max_position_embeddings}; lower max_model_len"
         )
+    # A step schedules a token per request at least: a default gives way to the size that was given.
+    max_num_seqs, max_num_batched_tokens = (256, 8192) if gpu else (8, 256)
+    if args.max_num_batched_tokens:
+        max_num_batched_tokens = args.max_num_batched_tokens
+        max_num_seqs = args.max_num_seqs or min(max_num_seqs, max_num_batched_tokens)
+    else:
+        max_num_seqs = args.max_num_seqs or max_num_seqs
+        max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
     sizes = args.create_runner_config(
-        max_num_seqs=args.max_num_seqs or (256 if gpu else 8),
-        max_num_batched_tokens=args.max_num_batched_tokens or (8192 if gpu else 256),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         num_blocks=1,
         dtype=dtype,

@@ -18,6 +18,7 @@ from jaxrunner.models.llama import MODEL_AXIS
 from jaxrunner.pytree import pytree_dataclass, static_field
 from pallas_kernels import (
     FP8,
+    MosaicConfig,
     mosaic_prefill_attention,
     ragged_paged_attention,
     ragged_paged_attention_decode,
@@ -89,7 +90,8 @@ class PagedAttention:
                 attention = functools.partial(ragged_paged_attention_decode, num_sms=kernels.num_sms, **options,
                                               queries_per_seq=self.queries_per_seq, interpret=kernels.interpret)
             elif kernels.mosaic and mosaic_supported(q, k_cache):
-                attention = functools.partial(mosaic_prefill_attention, **options, interpret=kernels.interpret)
+                attention = functools.partial(mosaic_prefill_attention, **options, interpret=kernels.interpret,
+                                              config=mosaic_config(q, k_cache, kernels.interpret))
             else:
                 attention = functools.partial(ragged_paged_attention, **options, interpret=kernels.interpret,
                                               batch_invariant=kernels.batch_invariant)
@@ -97,6 +99,14 @@ class PagedAttention:
         if v_scale != 1.0:
             out = (out * v_scale).astype(q.dtype)
         return out, (k_cache, v_cache)
+
+
+def mosaic_config(q: jax.Array, k_cache: jax.Array, interpret: bool) -> MosaicConfig:
+    """The Mosaic prefill attention's form: on a GPU blocks of 128 keys with P in registers, the
+    fastest of `benchmarks/attention.py --prefill`'s sweep (docs/benchmarks.md), where the shared
+    memory holds it; interpreted, the form Mosaic GPU's interpreter can run."""
+    fastest = MosaicConfig(block_k=128, registers=True)
+    return fastest if not interpret and mosaic_supported(q, k_cache, fastest) else MosaicConfig()
 
 
 def paged_attend(
