@@ -64,8 +64,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
     `rhs_transposed`: a tied LM head is the embedding [vocab, hidden] as it is held), group_sizes
     [E] (as `ragged_dot`), in tiles of `block_m` rows (0: `block_rows`) by `block_n` columns (0: up
     to 128), K `block_k` at a time (0: up to 64) in `k_splits` ranges (`spread_splits`: a program
-    each). `min_programs`: where the tiles that can hold rows give fewer programs (a decode's few
-    rows), K is cut into ranges (`k_ranges`), a program each, so that every SM streams weights; the
+    each). `min_programs`: where the fewest tiles the rows can fill give fewer programs (a decode's
+    few rows), K is cut into ranges (`k_ranges`), a program each, so that every SM streams weights; the
     sums' order then follows M."""
     num_rows, k = lhs.shape
     num_groups, k_rhs, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if rhs_transposed else rhs.shape
@@ -82,7 +82,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
     plan = plan_tiles(group_sizes, num_rows, block_m)
     block_n, block_k = block_n or math.gcd(n, 128), block_k or math.gcd(k // k_splits, 64)
     if min_programs and k_splits == 1:
-        k_splits = k_ranges(k, block_k, plan.shape[0] * (n // block_n), min_programs)
+        # the fewest tiles the rows can fill: a decode bucket's rows are mostly padding at small batches
+        k_splits = k_ranges(k, block_k, cdiv(num_rows, block_m) * (n // block_n), min_programs)
         spread_splits = k_splits > 1
     if k_splits < 1 or k % (k_splits * block_k):
         raise ValueError(f"grouped_matmul cannot cut K={k} into k_splits={k_splits} ranges of whole "

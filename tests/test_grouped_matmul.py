@@ -91,11 +91,14 @@ def test_the_pallas_kernels_choose_it_for_moe_models():
     assert fixed.func is grouped_matmul_in_tiles and fixed.keywords["block_m"] == GROUPED_TILE_ROWS
 
 
-@pytest.mark.parametrize("tokens, name", [(1, "grouped_matmul_m16_n128_k64_s4_spread"), (16, "grouped_matmul_m16_n128_k64\""),
+@pytest.mark.parametrize("tokens, name", [(1, "grouped_matmul_m16_n128_k64_s8_spread"),
+                                          (16, "grouped_matmul_m16_n128_k64_s4_spread"),
+                                          (64, "grouped_matmul_m16_n128_k64\""),
                                           (8192, "grouped_matmul_m128_n128_k64\"")])
 def test_lowers_to_triton_for_the_h200(tokens, name):
-    """At the Qwen3-30B-A3B expert shapes, as the runner calls it (a decode of one token spreads
-    gate|up's K over 4 programs per tile and column block)."""
+    """At the Qwen3-30B-A3B expert shapes, as the runner calls it: a decode bucket's copies spread
+    gate|up's K over programs by the fewest tiles they can fill (1 and 8 tiles of 16 rows: 8 and 4
+    ranges), since a bucket of 16 tokens may hold one real token whose 8 copies fill 8 tiles."""
     model = shape("qwen3-30b-a3b")
     e, h, i = model.num_experts, model.hidden_size, model.intermediate_size
     copies = tokens * model.num_experts_per_tok
