@@ -7,9 +7,9 @@ groups before it (rows past them all come out zero); row r of group g is `lhs[r]
 experts of 128 streams all of them (docs/benchmarks.md). Here the rows are cut into tiles of
 `block_m` rows of one group (a group's last tile is partial), and program (tile, column block)
 multiplies its tile by its group's column block: each used group's weights are read once per tile,
-an empty group's never. The tiles are planned on the device (`common.plan_tiles`: a tile count that depends only on
-the shapes covers every split); unused tiles return at once. `block_m`
-grows with the rows per group (16 for a decode's few copies per expert, up to 128 for a prefill,
+an empty group's never. The tiles are planned on the device (`common.plan_tiles`: a tile count
+that depends only on the shapes covers every split); unused tiles return at once. `block_m` grows
+with the rows per group (16 for a decode's few copies per expert, up to 128 for a prefill,
 whose tiles would otherwise re-read each expert's weights many times), or is fixed by the caller:
 then a row's products run in tiles of one shape whatever the batch routes beside it, which batch
 invariance needs (`grouped_matmul_in_tiles` computes the same tiles through XLA).
@@ -65,8 +65,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
     [E] (as `ragged_dot`), in tiles of `block_m` rows (0: `block_rows`) by `block_n` columns (0: up
     to 128), K `block_k` at a time (0: up to 64) in `k_splits` ranges (`spread_splits`: a program
     each). `min_programs`: where the fewest tiles the rows can fill give fewer programs (a decode's
-    few rows), K is cut into ranges (`k_ranges`), a program each, so that every SM streams weights; the
-    sums' order then follows M."""
+    few rows), K is cut into ranges (`k_ranges`), a program each, so that every SM streams weights;
+    the sums' order then follows M."""
     num_rows, k = lhs.shape
     num_groups, k_rhs, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if rhs_transposed else rhs.shape
     if k_rhs != k or not supported(k, n):
