@@ -177,11 +177,13 @@ def _dot(a, b, *, contract_b: int, precision):
 
 
 def paged_attention_call(work, q, k_cache, v_cache, block_tables, *, spec: AttentionSpec,
-                         cfg: KernelConfig, interpret: bool):
+                         cfg: KernelConfig, interpret: bool, into: jax.Array | None = None):
     """Launch the kernel over `work` ([num_work, 4] int32: seq, q_start, q_end, pos0).
 
     Returns the output [T, Hq, D] (dtype of q) when `cfg.num_splits == 1`, else the partials
     (out [splits, T, Hq, D] f32, normalised per split; lse [splits, T, Hq] f32, base 2).
+    `into` (unsplit only): an output [T, Hq, D] whose rows outside `work` are kept (its buffer is
+    written in place).
     """
     num_work = work.shape[0]
     num_tokens, num_q_heads, head_dim = q.shape
@@ -192,11 +194,24 @@ def paged_attention_call(work, q, k_cache, v_cache, block_tables, *, spec: Atten
         out_shape = (jax.ShapeDtypeStruct((cfg.num_splits, *q.shape), jnp.float32),
                      jax.ShapeDtypeStruct((cfg.num_splits, num_tokens, num_q_heads), jnp.float32))
     kernel = functools.partial(_kernel, spec=spec, cfg=cfg, num_work=num_work)
+    operands, aliases = (work, q, k_cache, v_cache, block_tables), {}
+    if into is not None:
+        if cfg.num_splits != 1 or into.shape != q.shape or into.dtype != q.dtype:
+            raise ValueError(f"paged_attention_call writes into a {q.dtype}{q.shape} output, unsplit; got "
+                             f"{into.dtype}{into.shape} with {cfg.num_splits} splits")
+        operands, aliases = (*operands, into), {len(operands): 0}
+        kernel = functools.partial(_drop_into, kernel)
     return pl.pallas_call(
         kernel,
         grid=(num_work, num_kv_heads, cfg.num_splits),
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        input_output_aliases=aliases,
         name=f"ragged_paged_attention_q{cfg.block_q}_k{cfg.block_k}_s{cfg.num_splits}{'_one_loop' * cfg.one_loop}",
-    )(work, q, k_cache, v_cache, block_tables)
+    )(*operands)
+
+
+def _drop_into(kernel, work_ref, q_ref, k_ref, v_ref, bt_ref, _into_ref, out_ref):
+    """`kernel` with the aliased `into` input left out: its buffer is `out_ref`."""
+    kernel(work_ref, q_ref, k_ref, v_ref, bt_ref, out_ref)

@@ -9,14 +9,17 @@ each) and one producer warpgroup streams that head's keys and values through sha
 table, all arriving on the block's barrier, so any page size that divides the block works. Each
 consumer multiplies its queries by the block's keys, runs the online softmax in registers (base 2,
 the scale folded in), and multiplies the probabilities by the values through shared memory; it
-then frees the slot for the producer. TMA copies of the queries and the output start at a multiple
-of the shared-memory tiling, and a sequence's queries start anywhere, so XLA lays the queries out
-tile-major first (a tile past its sequence's end repeats its last token) and gathers each token's
-row back from the tile-major output.
+then frees the slot for the producer. The queries come straight from the token-major `q` and the
+output goes straight to its rows, so XLA moves no tile-major copies around the kernel: a TMA copy
+into swizzled shared memory must start at a multiple of its 8-row tiling, and a sequence's tokens
+start anywhere, so a consumer reads its 64 query rows from global memory into registers (a tile at
+the batch's end is moved back to fit, its first rows another sequence's) and stores its output
+rows through unswizzled shared memory in TMA copies of 64, 32, ... 1 rows, as many as it owns.
 
 Sequences with fewer than `DECODE_QUERIES` query tokens (decodes in a mixed batch) go to the Triton
-kernel instead, in the same call: a tile here would hold one row per query head for them, where
-the Triton kernel packs a GQA group's heads into one program's rows.
+kernel instead, in the same call, which writes their rows into this kernel's output: a tile here
+would hold one row per query head for them, where the Triton kernel packs a GQA group's heads into
+one program's rows.
 
 Causal (a sequence's queries are its last tokens, as the runner lays them out), with a sliding
 window (from the block of the tile's first key on, every block masked) and a soft-cap where the
@@ -66,14 +69,14 @@ class MosaicConfig:
 def supported(q: jax.Array, k_cache: jax.Array, config: MosaicConfig = MosaicConfig()) -> bool:
     """Whether `mosaic_prefill_attention` takes this call."""
     head_dim, block_size = q.shape[2], k_cache.shape[1]
-    return (q.dtype == k_cache.dtype == jnp.bfloat16 and head_dim in (64, 128, 256)
+    return (q.dtype == k_cache.dtype == jnp.bfloat16 and head_dim in (64, 128, 256) and q.shape[0] >= WG_ROWS
             and config.block_k % 64 == 0 and config.block_k % block_size == 0
             and q.shape[1] % k_cache.shape[2] == 0 and shared_bytes(head_dim, config) <= SHARED_BYTES)
 
 
 def shared_bytes(head_dim: int, config: MosaicConfig) -> int:
-    """A CTA's shared memory: its queries (the output after), the key and value blocks in flight,
-    and the probabilities."""
+    """A CTA's shared memory: its queries (their bytes hold the output after), the key and value
+    blocks in flight, and the probabilities."""
     rows = CONSUMERS * WG_ROWS
     return 2 * (rows * head_dim + 2 * config.stages * config.block_k * head_dim + rows * config.block_k)
 
@@ -97,50 +100,24 @@ def mosaic_prefill_attention(
     """Causal attention for a packed ragged batch; [T, Hq, D] as `ragged_paged_attention` gives it
     (`interpret`: simulated on the CPU). Sequences with fewer than `decode_queries` query tokens
     (decodes, with or without drafts) go to the Triton kernel, which packs a GQA group's heads into
-    one program's rows, where a tile here would hold one row per query head."""
+    one program's rows, where a tile here would hold one row per query head. `q` needs a
+    warpgroup's rows at least (`supported`)."""
     if not supported(q, k_cache, config):
         raise ValueError(f"mosaic_prefill_attention cannot run q {q.dtype}{q.shape} over pages "
                          f"{k_cache.dtype}{k_cache.shape} with {config}: see `supported`")
     if interpret and config.registers:
         raise ValueError("MosaicConfig(registers=True) cannot run in interpret mode (Mosaic GPU's interpreter "
                          "has no register operands for wgmma); use registers=False off a GPU")
-    num_tokens = q.shape[0]
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
-    out = _tiled_attention(*args, **options, config=config, queries=(decode_queries, ALL_QUERIES[1]))
+    # the rows of sequences with fewer queries are left unwritten here, and the Triton kernel's then
+    work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=q.shape[0], block_q=TILE_ROWS,
+                     queries=(decode_queries, ALL_QUERIES[1]))
+    out = _kernel_call(work, q, k_cache, v_cache, block_tables.astype(jnp.int32), sm_scale, sliding_window, soft_cap,
+                       config, interpret)
     if not decode_queries:
         return out
-    short = ragged_paged_attention(*args, **options, queries=(0, decode_queries))
-    total = query_start_loc[num_seqs]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], t, side="right", method="compare_all"),
-                      query_start_loc.shape[0] - 2)
-    counts = jnp.where(t < total, query_start_loc[seq + 1] - query_start_loc[seq], num_tokens - total)
-    return jnp.where((counts >= decode_queries)[:, None, None], out, short)
-
-
-def _tiled_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *, sm_scale: float,
-                     sliding_window: int | None, soft_cap: float | None, interpret: bool, config: MosaicConfig,
-                     queries: tuple[int, int]) -> jax.Array:
-    """The kernel over the sequences with `queries` query tokens; the other tokens' rows are
-    arbitrary."""
-    num_tokens = q.shape[0]
-    work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=num_tokens, block_q=TILE_ROWS, queries=queries)
-    first = work[:, 1:2]
-    sources = jnp.minimum(first + jnp.arange(TILE_ROWS, dtype=jnp.int32), work[:, 2:3] - 1).reshape(-1)
-    q_tiles = q[jnp.clip(sources, 0, num_tokens - 1)]  # tile-major: a TMA copy starts at a tile's row
-    tiles = _kernel_call(work, q_tiles, k_cache, v_cache, block_tables.astype(jnp.int32), sm_scale, sliding_window,
-                         soft_cap, config, interpret)
-    return tiles[_tile_rows(work, num_tokens)]
-
-
-def _tile_rows(work: jax.Array, num_tokens: int) -> jax.Array:
-    """Each token's row in the tile-major output: its work item's tile, at its offset there."""
-    first, end = work[:, 1], work[:, 2]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    inside = (t[None, :] >= first[:, None]) & (t[None, :] < end[:, None])  # [W, T]: one item per token
-    item = jnp.argmax(inside, axis=0).astype(jnp.int32)
-    return item * TILE_ROWS + t - first[item]
+    return ragged_paged_attention(*args, **options, queries=(0, decode_queries), into=out)
 
 
 def _transforms(cols: int) -> tuple:
@@ -149,9 +126,9 @@ def _transforms(cols: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
 
-def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float, sliding_window: int | None,
+def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, sliding_window: int | None,
                  soft_cap: float | None, config: MosaicConfig, interpret: bool) -> jax.Array:
-    num_q_heads, head_dim = q_tiles.shape[1:]
+    num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     block_k, stages = config.block_k, config.stages
@@ -161,7 +138,7 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
     scale = sm_scale * LOG2E
 
     def kernel(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped):
-        (q_smem, k_smem, v_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free), turns = scoped
+        ((q_smem, o_smem), k_smem, v_smem, p_smem), (k_bar, v_bar), (k_free, v_free), turns = scoped
         # the last items first: a sequence's last tiles see the most keys, so they should not be the tail
         item = num_work - 1 - lax.axis_index("item")
         head, wg = lax.axis_index("head"), lax.axis_index("wg")
@@ -175,10 +152,14 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
-            rows = pl.ds(item * TILE_ROWS + wg * WG_ROWS, WG_ROWS)
-            plgpu.copy_gmem_to_smem(q_gmem.at[rows, head], q_smem.at[wg], q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
-            row_pos = pos0 + wg * WG_ROWS + plgpu.broadcasted_iota(
+            # this warpgroup owns tokens [start, start + owned); its 64 rows start `back` rows earlier
+            start = first + wg * WG_ROWS
+            owned = jnp.clip(end - start, 0, WG_ROWS)
+            back = start - jnp.minimum(start, num_tokens - WG_ROWS)  # <= 64 - owned where it owns any
+            q_smem[wg] = plgpu.load(q_gmem.at[pl.ds(start - back, WG_ROWS), head], layout=plgpu.Layout.WGMMA,
+                                    optimized=False)
+            plgpu.commit_smem()
+            row_pos = pos0 + wg * WG_ROWS - back + plgpu.broadcasted_iota(
                 jnp.int32, (WG_ROWS, block_k), 0, layout=plgpu.Layout.WGMMA)
             key_col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
 
@@ -260,9 +241,15 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
             if config.pingpong:
                 pl.when(wg == 0)(take_turns)  # as many turns taken by each
             l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # padding rows: zeros
-            q_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
+            o_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], out_gmem.at[pl.ds(item * TILE_ROWS + wg * WG_ROWS, WG_ROWS), head])
+            for size in (WG_ROWS >> b for b in range(WG_ROWS.bit_length())):  # `owned` rows as 64 + 32 + ... + 1
+                at = owned & -2 * size  # the rows the larger copies took
+
+                @pl.when(owned & size != 0)
+                def _():
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(back + at, size)],
+                                            out_gmem.at[pl.ds(start + at, size), head])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == CONSUMERS)
@@ -294,14 +281,17 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
 
     def entry(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem):
         rows = _transforms(head_dim)
+        # a consumer's output rows take its queries' bytes: both members have one shape, consumer first,
+        # and a consumer writes its output after its last product read its queries
+        queries_then_output = plgpu.RefUnion(plgpu.SMEM((CONSUMERS, WG_ROWS, head_dim), jnp.bfloat16, transforms=rows),
+                                             plgpu.SMEM((CONSUMERS, WG_ROWS, head_dim), jnp.bfloat16))
         pl.run_scoped(
             lambda *scoped: kernel(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped),
-            (plgpu.SMEM((CONSUMERS, WG_ROWS, head_dim), jnp.bfloat16, transforms=rows),
+            (queries_then_output,
              plgpu.SMEM((stages, block_k, head_dim), jnp.bfloat16, transforms=rows),
              plgpu.SMEM((stages, block_k, head_dim), jnp.bfloat16, transforms=rows),
              plgpu.SMEM((CONSUMERS, WG_ROWS, block_k), jnp.bfloat16, transforms=_transforms(block_k))),
-            (plgpu.Barrier(num_barriers=CONSUMERS),
-             plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+            (plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages, num_barriers=stages)),
             (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=CONSUMERS),
@@ -310,11 +300,11 @@ def _kernel_call(work, q_tiles, k_cache, v_cache, block_tables, sm_scale: float,
 
     return plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((num_work * TILE_ROWS, num_q_heads, head_dim), jnp.bfloat16),
+        out_type=jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
         grid=(num_work, num_q_heads),
         grid_names=("item", "head"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(work, q_tiles, k_cache, v_cache, block_tables)
+    )(work, q, k_cache, v_cache, block_tables)

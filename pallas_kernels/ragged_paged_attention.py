@@ -56,15 +56,17 @@ def ragged_paged_attention(
     batch_invariant: bool = False,
     config: KernelConfig | None = None,
     queries: tuple[int, int] = ALL_QUERIES,
+    into: jax.Array | None = None,
 ) -> jax.Array:
     """Attention for a packed ragged batch (prefill chunks and decodes mixed); returns [T, Hq, D].
     `batch_invariant`: `invariant_config`'s tiling. `queries`: only the sequences with [lo, hi)
-    query tokens (the padding's tokens count as one); the other tokens' rows are left unwritten."""
+    query tokens (the padding's tokens as one more sequence); the other tokens' rows are left
+    unwritten, or as they are in `into` (another kernel's output for them, donated)."""
     spec = _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap)
     tiling = invariant_config if batch_invariant else prefill_config
     cfg = config or tiling(q.dtype, q.shape[2], spec.padded_group)
     return _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
-                      spec=spec, cfg=cfg, interpret=interpret, queries=queries)
+                      spec=spec, cfg=cfg, interpret=interpret, queries=queries, into=into)
 
 
 def ragged_paged_attention_decode(
@@ -160,10 +162,10 @@ def _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap) -> AttentionS
 
 
 def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *, spec, cfg,
-               interpret, queries=ALL_QUERIES):
+               interpret, queries=ALL_QUERIES, into=None):
     work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=q.shape[0], block_q=cfg.block_q, queries=queries)
     out = paged_attention_call(work, q, k_cache, v_cache, block_tables.astype(jnp.int32), spec=spec,
-                               cfg=cfg, interpret=interpret)
+                               cfg=cfg, interpret=interpret, into=into)
     if cfg.num_splits == 1:
         return out
     return combine_splits(*out).astype(q.dtype)

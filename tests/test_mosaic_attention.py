@@ -66,12 +66,13 @@ def test_matches_the_reference_interpreted(block_k, head_dim, block_size, heads,
 
 
 def test_takes_only_what_it_supports():
-    q = jnp.zeros((8, 4, 128), jnp.bfloat16)
+    q = jnp.zeros((64, 4, 128), jnp.bfloat16)
     pages = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
     assert supported(q, pages)
+    assert not supported(q[:63], pages)  # fewer tokens than a warpgroup reads
     assert not supported(q, pages.astype(jnp.float8_e4m3fn))  # fp8 pages: the Triton kernel's
     assert not supported(q, pages, MosaicConfig(block_k=48))
-    wide = jnp.zeros((8, 4, 256), jnp.bfloat16)  # D = 256: 128 keys a block overflow shared memory, 64 fit
+    wide = jnp.zeros((64, 4, 256), jnp.bfloat16)  # D = 256: 128 keys a block overflow shared memory, 64 fit
     assert not supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), MosaicConfig(block_k=128))
     assert supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), MosaicConfig(block_k=64))
     with pytest.raises(ValueError, match=r"registers=True\) cannot run in interpret mode"):
