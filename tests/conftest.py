@@ -25,6 +25,8 @@ import shutil
 import tempfile
 
 GPU = shutil.which("nvidia-smi") is not None
+if GPU and not any(os.environ.get(v) for v in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")):
+    os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.75"  # JAX's default pool: the rest for torch's Hugging Face references
 if not GPU:  # four CPU devices: the tensor-parallel tests split over them
     flags = os.environ.get("XLA_FLAGS", "").split()  # the workers inherit the controller's
     os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in ("--xla_backend_optimization_level=0",

@@ -1,13 +1,17 @@
 """KV cache sizing: the largest step's activation memory, measured from its compiled executables,
-and the blocks that fit beside it and the weights."""
+the blocks that fit beside it and the weights, and the GPU memory pool they fit in."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
+from jax._src import xla_bridge
 
-from jaxrunner import Runner, RunnerConfig
+from jaxrunner import Runner, RunnerConfig, platform
 from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.engine.default_model import default_model
 from jaxrunner.engine.engine_args import kv_blocks_that_fit
@@ -42,3 +46,25 @@ def test_blocks_fit_beside_the_weights_and_the_step():
     assert kv_blocks_that_fit(100 * gib, 16 * gib, 2 * gib, 0.9, gib // 8) == 8 * (90 - 16 - 2)
     with pytest.raises(ValueError, match="no room for a KV cache.*raise gpu_memory_utilization"):
         kv_blocks_that_fit(100 * gib, 60 * gib, 31 * gib, 0.9, gib)
+
+
+def test_the_engine_gives_jaxs_gpu_pool_most_of_the_device_unless_told(monkeypatch):
+    """JAX's allocator takes 75% of a GPU by default: the engine asks for GPU_POOL_FRACTION before it
+    starts JAX's backend (checked in a fresh process: the suite's backend is long started), and
+    leaves a fraction the user set, or a started backend's, as it is."""
+    script = ("import os; from jaxrunner.engine.engine import LLMEngine; from jaxrunner.engine.engine_args import EngineArgs; "
+              "LLMEngine(EngineArgs(model='jaxrunner-tiny-random', enforce_eager=True)); "
+              "print(os.environ['XLA_CLIENT_MEM_FRACTION'])")
+    env = {k: v for k, v in os.environ.items() if k not in platform.POOL_VARIABLES}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) == platform.GPU_POOL_FRACTION == 0.95
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+    platform.claim_gpu_memory()
+    assert "XLA_CLIENT_MEM_FRACTION" not in os.environ  # with the other set, JAX would refuse to start
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    platform.claim_gpu_memory()
+    assert "XLA_CLIENT_MEM_FRACTION" not in os.environ

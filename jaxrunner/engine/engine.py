@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import jax
 
+from jaxrunner import platform
 from jaxrunner.engine.block_manager import BlockManager
 from jaxrunner.engine.host_tier import HostTier
 from jaxrunner.engine.default_model import default_tokenizer
@@ -120,6 +121,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, defer_warm_up: bool = False) -> None:
         """`defer_warm_up`: leave the programs' compilation to an explicit `warm_up()` (a server
         opens its port first and answers /health "starting" meanwhile)."""
+        platform.claim_gpu_memory()  # before anything starts JAX's backend
         built_in = False
         if args.load_format == "auto":  # the model's files on local disk (None: the tiny random model)
             need_tokenizer = args.tokenizer is None and not args.skip_tokenizer_init

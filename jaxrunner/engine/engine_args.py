@@ -41,9 +41,11 @@ class EngineArgs:
     """`model`: a Hugging Face checkpoint directory, a GGUF file (or a directory holding one), a Hub
     id "org/name", "jaxrunner-tiny-random", or None for the default model (see `model_files`).
     `tokenizer`: defaults to `model`'s. `skip_tokenizer_init`: no tokenizer; prompts must be token
-    ids and outputs have empty text. `gpu_memory_utilization`: the fraction of device memory the
-    weights plus the KV cache may use (ignored on CPU); `num_gpu_blocks_override` fixes the number
-    of KV blocks instead. `max_logprobs`: the most logprobs a request may ask for (-1: the whole
+    ids and outputs have empty text. `gpu_memory_utilization`: the fraction of JAX's GPU memory
+    pool the weights, the largest step and the KV cache may use (ignored on CPU); the engine sets
+    the pool to 95% of the device (`platform.claim_gpu_memory`) unless XLA_CLIENT_MEM_FRACTION is
+    set or JAX's backend already started. `num_gpu_blocks_override` fixes the number of KV blocks
+    instead. `max_logprobs`: the most logprobs a request may ask for (-1: the whole
     vocabulary); `logprobs_mode`: raw_logprobs, raw_logits, processed_logprobs or processed_logits.
     `enforce_eager`: skip compiling every bucket at start-up (they then compile when first used);
     by default start-up compiles them on a GPU and skips it on a CPU; either way compiled programs
