@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
 from jaxrunner.lora.slots import lora_structs
-from jaxrunner.models.llama import param_specs, param_structs
+from jaxrunner.models.llama import MODEL_AXIS, param_specs, param_structs
 from jaxrunner.runner.input_batch import bucket, build_inputs
 from jaxrunner.runner.parallel import place
 from jaxrunner.runner.request_table import RequestTable
@@ -117,10 +118,15 @@ class Context:
             return ()
         return tuple(1 << i for i in range(min(KV_TRANSFER_MAX, self.config.num_blocks).bit_length()))
 
-    def kv_blocks(self, num_blocks: int) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """The pages of `num_blocks` blocks as `step.gather_blocks` returns them (split as the cache is)."""
-        return tuple(jax.ShapeDtypeStruct((num_blocks, *leaf.shape[1:]), leaf.dtype, sharding=leaf.sharding)
-                     for leaf in jax.tree.leaves((self.state.kv, self.state.draft_kv)))
+    @functools.cached_property
+    def packed_block(self) -> jax.ShapeDtypeStruct:
+        """One block as a host tier keeps it (`step.gather_blocks`), on the device: bytes [shards,
+        bytes], each device's row its own."""
+        leaves = jax.tree.leaves((self.state.kv, self.state.draft_kv))
+        size = sum(leaf.size // leaf.shape[0] * leaf.dtype.itemsize for leaf in leaves) // self.model.shards
+        sharding = (NamedSharding(self.mesh, P(MODEL_AXIS, None)) if self.mesh is not None
+                    else SingleDeviceSharding(jax.devices()[0]))
+        return jax.ShapeDtypeStruct((self.model.shards, size), np.uint8, sharding=sharding)
 
     def hidden(self, rows: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((rows, self.model.hidden_size), self.dtype)

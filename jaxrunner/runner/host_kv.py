@@ -1,18 +1,19 @@
-"""The bytes of the prefix cache's host tier: a pool of KV blocks in host memory, and the copies
-between it and the device's cache that each step's `KVTransfers` asks for. The books (which
+"""The bytes of the prefix cache's host tier: a pool of KV blocks in pinned host memory, and the
+copies between it and the device's cache that each step's `KVTransfers` asks for. The books (which
 block is in which slot) are the engine's (`engine.host_tier`); they rely on this order within a step:
 
   1. the earlier steps' loads that are on the device by now (`arrived`) are written into their
      blocks (SCATTER_BLOCKS) before anything of this step runs;
-  2. this step's loads are read from the pool, once every earlier save into their slots has
-     landed, and start their copy to the device (step 1 of a later step writes them);
+  2. this step's loads start their copies from their slots to the device (step 1 of a later step
+     writes them);
   3. this step's saves are gathered from the cache (GATHER_BLOCKS) before the step's programs
-     write it, and start their copy to the host; each lands in the pool when it has arrived, or
-     when a load needs its slot.
+     write it, and start their copies into their slots.
 
-So both copies run while the device computes, and no step waits on one: the scheduler admits a
-request whose blocks are loading once `arrived` counts them. Every page of a block moves: each
-layer's K and V, and a draft model's.
+A slot holds one block as one array in pinned host memory, every page of it packed together
+(`step.gather_blocks`): a copy each way per block, from and to memory the GPU's copy engines reach
+directly, while the device computes; JAX orders a load after the save that filled its slot. So no
+step waits on a copy: the scheduler admits a request whose blocks are loading once `arrived` counts
+them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from jaxrunner.step_io import KVTransfers, reject
 class HostKVStats:
     bytes_saved: int = 0  # device to host
     bytes_loaded: int = 0  # host to device
-    seconds: float = 0.0  # host time the copies took from the steps (waits for a save included)
+    seconds: float = 0.0  # host time the steps spent starting the copies
 
 
 class HostKV:
@@ -43,32 +44,37 @@ class HostKV:
         self.programs = programs
         self.buckets = ctx.kv_transfer_buckets
         self.num_blocks = ctx.config.num_blocks
-        leaves = ctx.kv_blocks(ctx.config.num_host_blocks)
-        self.pool = [np.zeros(leaf.shape, leaf.dtype) for leaf in leaves]  # untouched pages take no memory
-        self.shardings = [leaf.sharding or jax.devices()[0] for leaf in leaves]
-        self.block_bytes = sum(pool[0].nbytes for pool in self.pool)
-        self._saving: deque[tuple[np.ndarray, tuple[jax.Array, ...]]] = deque()  # (host slots, pages on their way)
-        # Per step with loads, oldest first: its (device blocks, pages on their way) parts.
+        block = ctx.packed_block
+        self.device = block.sharding
+        self.host = block.sharding.with_memory_kind("pinned_host")
+        self.slots: list[jax.Array | None] = [None] * ctx.config.num_host_blocks  # a block each, once saved
+        self.block_bytes = block.size
+        self._padding = jax.device_put(np.zeros(block.shape, block.dtype), self.device)  # a bucket's unused rows
+        # Per step with loads, oldest first: its (device blocks, packed blocks on their way) parts.
         self._arriving: deque[list[tuple[np.ndarray, tuple[jax.Array, ...]]]] = deque()
         self._written = 0  # steps whose loads are written into the cache
         self.stats = HostKVStats()
 
     def check(self, transfers: KVTransfers) -> None:
-        """A ValueError (nothing changed) for a block or slot outside the cache or the pool."""
-        num_slots = len(self.pool[0])
+        """A ValueError (nothing changed) for a block or slot outside the cache or the pool, or a load
+        from a slot no save filled."""
+        num_slots = len(self.slots)
         for name, pairs, (blocks, slots) in (("saves", transfers.saves, (0, 1)), ("loads", transfers.loads, (1, 0))):
             for pair in pairs:
                 if not (0 <= pair[blocks] < self.num_blocks and 0 <= pair[slots] < num_slots):
                     reject(f"kv_transfers.{name}: {tuple(pair)} is outside the {self.num_blocks} device blocks or "
                            f"the {num_slots} host slots")
+        for slot, _ in transfers.loads:
+            if self.slots[slot] is None:
+                reject(f"kv_transfers.loads: host slot {slot} holds no block (no earlier step saved one into it)")
 
     def arrived(self) -> int:
         """The steps with loads, counted from the first, whose blocks the next step writes before it
-        runs (step 1): those written already, then those whose pages are all on the device. It only
+        runs (step 1): those written already, then those whose blocks are all on the device. It only
         grows, so a request the scheduler admits on it finds its blocks written."""
         n = self._written
         for parts in self._arriving:
-            if not all(page.is_ready() for _, pages in parts for page in pages):
+            if not all(row.is_ready() for _, rows in parts for row in rows):
                 break
             n += 1
         return n
@@ -77,47 +83,34 @@ class HostKV:
         """Steps 1-3 above; the state with the arrived loads written."""
         start = time.perf_counter()
         for _ in range(self.arrived() - self._written):
-            for blocks, pages in self._arriving.popleft():
-                state = self.programs.run(SCATTER_BLOCKS, state=state, blocks=blocks, pages=pages)
+            for blocks, rows in self._arriving.popleft():
+                state = self.programs.run(SCATTER_BLOCKS, state=state, blocks=blocks, packed=rows)
             self._written += 1
         if transfers.loads:
-            parts = []
             slots, blocks = np.array(transfers.loads, np.int64).T
-            self._land(set(slots.tolist()))
+            loaded = jax.device_put([self.slots[s] for s in slots.tolist()], [self.device] * len(slots))
+            parts = []
             for part in self._parts(len(slots)):
                 n = bucket(part.stop - part.start, self.buckets)
                 padded = np.full(n, self.num_blocks, np.int32)  # past the cache: the scatter drops them
                 padded[: part.stop - part.start] = blocks[part]
-                pages = [np.zeros((n, *pool.shape[1:]), pool.dtype) for pool in self.pool]
-                for page, pool in zip(pages, self.pool):
-                    page[: part.stop - part.start] = pool[slots[part]]
-                parts.append((padded, tuple(jax.device_put(p, s) for p, s in zip(pages, self.shardings))))
+                rows = loaded[part] + [self._padding] * (n - (part.stop - part.start))
+                parts.append((padded, tuple(rows)))
             self._arriving.append(parts)
             self.stats.bytes_loaded += len(slots) * self.block_bytes
         if transfers.saves:
             blocks, slots = np.array(transfers.saves, np.int64).T
             for part in self._parts(len(slots)):
-                padded = np.zeros(bucket(part.stop - part.start, self.buckets), np.int32)
-                padded[: part.stop - part.start] = blocks[part]
-                pages = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=padded)
-                for page in pages:
-                    page.copy_to_host_async()
-                self._saving.append((slots[part], pages))
-        self._land()
+                count = part.stop - part.start
+                padded = np.zeros(bucket(count, self.buckets), np.int32)
+                padded[:count] = blocks[part]
+                rows = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=padded)
+                for slot, row in zip(slots[part].tolist(), jax.device_put(list(rows[:count]), [self.host] * count)):
+                    self.slots[slot] = row
+            self.stats.bytes_saved += len(slots) * self.block_bytes
         self.stats.seconds += time.perf_counter() - start
         return state
 
     def _parts(self, n: int) -> list[slice]:
         most = self.buckets[-1]
         return [slice(i, min(i + most, n)) for i in range(0, n, most)]
-
-    def _land(self, needed: set[int] = frozenset()) -> None:
-        """Write the saves that have arrived into the pool, oldest first; those before and into a
-        `needed` slot, waiting for them."""
-        last_needed = max((i for i, (slots, _) in enumerate(self._saving) if needed & set(slots.tolist())), default=-1)
-        while self._saving and (last_needed >= 0 or all(page.is_ready() for page in self._saving[0][1])):
-            slots, pages = self._saving.popleft()
-            for pool, page in zip(self.pool, pages):
-                pool[slots] = np.asarray(page)[: len(slots)]
-            self.stats.bytes_saved += len(slots) * self.block_bytes
-            last_needed -= 1

@@ -141,7 +141,7 @@ def _gather_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
 
 def _scatter_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
     for n in ctx.kv_transfer_buckets:
-        yield dict(state=ctx.state, blocks=np.zeros(n, np.int32), pages=ctx.kv_blocks(n))
+        yield dict(state=ctx.state, blocks=np.zeros(n, np.int32), packed=(ctx.packed_block,) * n)
 
 
 def _model_and_kernels(ctx: Context) -> dict:
@@ -185,9 +185,10 @@ PROMPT_LOGPROBS = Kind(
                            num_top=ctx.config.sampler.logprobs_width(ctx.model.vocab_size),
                            as_logits=ctx.config.sampler.logprobs_mode.endswith("logits")))
 WRITE_LORA = Kind("write_lora", write_slot, key=lambda a: (), examples=_write_lora_examples, donate=("lora",))
-GATHER_BLOCKS = Kind("gather_blocks", gather_blocks, key=lambda a: (a["blocks"].shape[0],), examples=_gather_examples)
+GATHER_BLOCKS = Kind("gather_blocks", gather_blocks, key=lambda a: (a["blocks"].shape[0],), examples=_gather_examples,
+                     fixed=lambda ctx: dict(shards=ctx.model.shards))
 SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks"].shape[0],),
-                      examples=_scatter_examples, donate=("state",))
+                      examples=_scatter_examples, fixed=lambda ctx: dict(shards=ctx.model.shards), donate=("state",))
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
 KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, WRITE_TOKENS, PROMPT_LOGPROBS, WRITE_LORA,
          GATHER_BLOCKS, SCATTER_BLOCKS)

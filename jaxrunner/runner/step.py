@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -107,17 +108,41 @@ def write_token_rows(state: RunnerState, slots: jax.Array, rows: jax.Array) -> R
     return dataclasses.replace(state, token_ids=state.token_ids.at[slots].set(rows, mode="drop"))
 
 
-def gather_blocks(pages: tuple, blocks: jax.Array) -> tuple:
-    """The blocks' pages, one array per leaf of `pages` (the cache's and the draft's: the
-    `(state.kv, state.draft_kv)` a host tier copies), each [len(blocks), block_size, heads, head_dim]."""
-    return tuple(leaf[blocks] for leaf in jax.tree.leaves(pages))
+def gather_blocks(pages: tuple, blocks: jax.Array, *, shards: int) -> tuple:
+    """The blocks as a host tier keeps them: per block, the pages of every leaf of `pages` (the
+    cache's and the draft's: the `(state.kv, state.draft_kv)` a host tier copies) as one array of
+    bytes [shards, bytes], each device's heads in its row, so that a block moves between the tiers
+    in one copy each way whatever the model's layers."""
+    packed = jnp.concatenate([_as_bytes(leaf[blocks], shards) for leaf in jax.tree.leaves(pages)], axis=2)
+    return tuple(packed[i] for i in range(blocks.shape[0]))
 
 
-def scatter_blocks(state: RunnerState, blocks: jax.Array, pages: tuple) -> RunnerState:
-    """`gather_blocks`'s inverse: write `pages` into the blocks (a block id past the cache: dropped)."""
+def scatter_blocks(state: RunnerState, blocks: jax.Array, packed: tuple, *, shards: int) -> RunnerState:
+    """`gather_blocks`'s inverse: write the packed blocks into the blocks (a block id past the cache: dropped)."""
     leaves, tree = jax.tree.flatten((state.kv, state.draft_kv))
-    kv, draft_kv = jax.tree.unflatten(tree, [leaf.at[blocks].set(page, mode="drop") for leaf, page in zip(leaves, pages)])
+    rows, at, written = jnp.stack(packed), 0, []
+    for leaf in leaves:
+        size = math.prod(leaf.shape[1:]) * leaf.dtype.itemsize // shards
+        written.append(leaf.at[blocks].set(_from_bytes(rows[:, :, at : at + size], leaf), mode="drop"))
+        at += size
+    kv, draft_kv = jax.tree.unflatten(tree, written)
     return dataclasses.replace(state, kv=kv, draft_kv=draft_kv)
+
+
+def _as_bytes(pages: jax.Array, shards: int) -> jax.Array:
+    """Pages [n, block_size, heads, head_dim] as bytes [n, shards, ...]: each shard's heads together."""
+    n, size, heads, dim = pages.shape
+    split = pages.reshape(n, size, shards, heads // shards, dim).transpose(0, 2, 1, 3, 4)
+    return jax.lax.bitcast_convert_type(split, jnp.uint8).reshape(n, shards, -1)
+
+
+def _from_bytes(rows: jax.Array, like: jax.Array) -> jax.Array:
+    """`_as_bytes`'s inverse, for pages of `like`'s dtype and page shape."""
+    _, size, heads, dim = like.shape
+    n, shards, _ = rows.shape
+    itemsize = () if like.dtype.itemsize == 1 else (like.dtype.itemsize,)
+    split = jax.lax.bitcast_convert_type(rows.reshape(n, shards, size, heads // shards, dim, *itemsize), like.dtype)
+    return split.transpose(0, 2, 1, 3, 4).reshape(n, size, heads, dim)
 
 
 def resolve_positions(state: RunnerState, inp: TokenInputs) -> TokenInputs:
