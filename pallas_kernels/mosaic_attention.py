@@ -5,7 +5,10 @@ The Triton kernel falls well short of cuDNN's prefill speed (docs/benchmarks.md)
 Triton backend is deprecated. This kernel takes FlashAttention-3's shape: a work item is
 `TILE_ROWS` query tokens of one sequence for one query head (two consumer warpgroups of 64 rows
 each) and one producer warpgroup streams that head's keys and values through shared memory,
-`stages` key blocks in flight. A key block is `block_k` keys: one TMA copy per page of the block
+`stages` key blocks in flight. The kernel is persistent: one CTA per SM walks its share of the
+(work item, head) pairs, and its producer runs on into the next pair's blocks while the consumers
+finish the last, so a short sequence's few blocks do not each pay a CTA's start and its pipeline's
+fill. A key block is `block_k` keys: one TMA copy per page of the block
 table, all arriving on the block's barrier, so any page size that divides the block works. Each
 consumer multiplies its queries by the block's keys, runs the online softmax in registers (base 2,
 the scale folded in), and multiplies the probabilities by the values through shared memory; it
@@ -48,6 +51,7 @@ TILE_ROWS = CONSUMERS * WG_ROWS  # query tokens per work item
 LOG2E = math.log2(math.e)
 DECODE_QUERIES = 16  # sequences with fewer query tokens run the Triton kernel
 SHARED_BYTES = 227 * 1024  # a Hopper CTA's shared memory
+NUM_CTAS = 132  # CTAs that walk the work, one per SM of an H100 or H200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +100,14 @@ def mosaic_prefill_attention(
     interpret: bool = False,
     config: MosaicConfig = MosaicConfig(),
     decode_queries: int = DECODE_QUERIES,
+    num_ctas: int = NUM_CTAS,
 ) -> jax.Array:
     """Causal attention for a packed ragged batch; [T, Hq, D] as `ragged_paged_attention` gives it
     (`interpret`: simulated on the CPU). Sequences with fewer than `decode_queries` query tokens
     (decodes, with or without drafts) go to the Triton kernel, which packs a GQA group's heads into
     one program's rows, where a tile here would hold one row per query head. `q` needs a
-    warpgroup's rows at least (`supported`)."""
+    warpgroup's rows at least (`supported`). `num_ctas`: the persistent CTAs (one per SM) that
+    share the (work item, head) pairs round-robin."""
     if not supported(q, k_cache, config):
         raise ValueError(f"mosaic_prefill_attention cannot run q {q.dtype}{q.shape} over pages "
                          f"{k_cache.dtype}{k_cache.shape} with {config}: see `supported`")
@@ -114,7 +120,7 @@ def mosaic_prefill_attention(
     work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=q.shape[0], block_q=TILE_ROWS,
                      queries=(decode_queries, ALL_QUERIES[1]))
     out = _kernel_call(work, q, k_cache, v_cache, block_tables.astype(jnp.int32), sm_scale, sliding_window, soft_cap,
-                       config, interpret)
+                       config, interpret, num_ctas)
     if not decode_queries:
         return out
     return ragged_paged_attention(*args, **options, queries=(0, decode_queries), into=out)
@@ -127,7 +133,7 @@ def _transforms(cols: int) -> tuple:
 
 
 def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, sliding_window: int | None,
-                 soft_cap: float | None, config: MosaicConfig, interpret: bool) -> jax.Array:
+                 soft_cap: float | None, config: MosaicConfig, interpret: bool, num_ctas: int) -> jax.Array:
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -135,146 +141,165 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
     pages = block_k // block_size
     max_pages = block_tables.shape[1]
     num_work = work.shape[0]
+    num_ctas = min(num_ctas, num_work * num_q_heads)
     scale = sm_scale * LOG2E
 
     def kernel(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped):
         ((q_smem, o_smem), k_smem, v_smem, p_smem), (k_bar, v_bar), (k_free, v_free), turns = scoped
-        # the last items first: a sequence's last tiles see the most keys, so they should not be the tail
-        item = num_work - 1 - lax.axis_index("item")
-        head, wg = lax.axis_index("head"), lax.axis_index("wg")
-        seq, first, end, pos0 = (work_gmem[item, i] for i in range(4))
-        # keys 0 .. the tile's last query position; none for an unused or padding item
-        num_steps = jnp.maximum(cdiv(pos0 + end - first, block_k), 0)
-        first_step = 0  # with a window, from the block of the tile's first query's first key
-        if sliding_window is not None:
-            first_step = jnp.minimum(lax.div(jnp.maximum(pos0 - sliding_window + 1, 0), block_k), num_steps)
-        count = num_steps - first_step
+        cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+        num_pairs = cdiv(num_work * num_q_heads - cta, num_ctas)  # this CTA's (work item, head) pairs
+
+        def pair(n):
+            """This CTA's n-th pair: its head, sequence, tokens [first, end), first position, and its
+            key blocks [first_step, first_step + count)."""
+            p = cta + n * num_ctas
+            # the last items first: a sequence's last tiles see the most keys, so they should not be the tail
+            item, head = num_work - 1 - lax.div(p, num_q_heads), lax.rem(p, num_q_heads)
+            seq, first, end, pos0 = (work_gmem[item, i] for i in range(4))
+            # keys 0 .. the tile's last query position; none for an unused or padding item
+            num_steps = jnp.maximum(cdiv(pos0 + end - first, block_k), 0)
+            first_step = 0  # with a window, from the block of the tile's first query's first key
+            if sliding_window is not None:
+                first_step = jnp.minimum(lax.div(jnp.maximum(pos0 - sliding_window + 1, 0), block_k), num_steps)
+            return head, seq, first, end, pos0, first_step, num_steps - first_step
+
+        def take_turns():
+            plgpu.barrier_arrive(turns)
+            plgpu.barrier_wait(turns)
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
-            # this warpgroup owns tokens [start, start + owned); its 64 rows start `back` rows earlier
-            start = first + wg * WG_ROWS
-            owned = jnp.clip(end - start, 0, WG_ROWS)
-            back = start - jnp.minimum(start, num_tokens - WG_ROWS)  # <= 64 - owned where it owns any
-            q_smem[wg] = plgpu.load(q_gmem.at[pl.ds(start - back, WG_ROWS), head], layout=plgpu.Layout.WGMMA,
-                                    optimized=False)
-            plgpu.commit_smem()
-            row_pos = pos0 + wg * WG_ROWS - back + plgpu.broadcasted_iota(
-                jnp.int32, (WG_ROWS, block_k), 0, layout=plgpu.Layout.WGMMA)
-            key_col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
+            def consume(n, done):
+                """Pair n, its blocks the `done + i`-th this CTA streams; the blocks streamed after it."""
+                head, _, first, end, pos0, first_step, count = pair(n)
+                # this warpgroup owns tokens [start, start + owned); its 64 rows start `back` rows earlier
+                start = first + wg * WG_ROWS
+                owned = jnp.clip(end - start, 0, WG_ROWS)
+                back = start - jnp.minimum(start, num_tokens - WG_ROWS)  # <= 64 - owned where it owns any
+                q_smem[wg] = plgpu.load(q_gmem.at[pl.ds(start - back, WG_ROWS), head], layout=plgpu.Layout.WGMMA,
+                                        optimized=False)
+                plgpu.commit_smem()
+                row_pos = pos0 + wg * WG_ROWS - back + plgpu.broadcasted_iota(
+                    jnp.int32, (WG_ROWS, block_k), 0, layout=plgpu.Layout.WGMMA)
+                key_col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
 
-            def take_turns():
-                plgpu.barrier_arrive(turns)
-                plgpu.barrier_wait(turns)
+                def step(i, carry, masked: bool):
+                    acc, m_i, l_i = carry
+                    j, slot = first_step + i, lax.rem(done + i, stages)
 
-            def step(i, carry, masked: bool):
-                acc, m_i, l_i = carry
-                j, slot = first_step + i, lax.rem(i, stages)
+                    def softmax_done():  # then wait for the values, and with pingpong for the tensor cores
+                        if config.pingpong:
+                            plgpu.barrier_arrive(turns)
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        if config.pingpong:
+                            plgpu.barrier_wait(turns)
 
-                def softmax_done():  # then wait for the values, and with pingpong for the tensor cores
-                    if config.pingpong:
-                        plgpu.barrier_arrive(turns)
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    if config.pingpong:
-                        plgpu.barrier_wait(turns)
+                    plgpu.barrier_wait(k_bar.at[slot])
 
-                plgpu.barrier_wait(k_bar.at[slot])
-
-                def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
-                    if config.pingpong:  # issued: the other consumer's turn
-                        take_turns()
-                    plgpu.wgmma_wait(0)
-                    return acc_ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                if soft_cap is not None:
-                    s = soft_cap * LOG2E * jnp.tanh(s * (sm_scale / soft_cap))
-                else:
-                    s = s * scale
-                if masked:
-                    key = key_col + j * block_k
-                    visible = key <= row_pos
-                    if sliding_window is not None:
-                        visible &= key > row_pos - sliding_window
-                    s = jnp.where(visible, s, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no key yet keeps zeros
-                p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
-                alpha = jnp.exp2(m_i - shift)
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if config.registers:
-                    p16 = p.astype(jnp.bfloat16)
-                    softmax_done()
-
-                    def carried(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        plgpu.wgmma_wait(0)
-
-                    acc = pl.run_state(carried)(plgpu.ACC.init(acc))
-                else:
-                    p_smem[wg] = p.astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    softmax_done()
-
-                    def values(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                    def scores(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
+                        if config.pingpong:  # issued: the other consumer's turn
+                            take_turns()
                         plgpu.wgmma_wait(0)
                         return acc_ref[...]
 
-                    acc = acc + pl.run_scoped(values, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l_i
+                    s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    if soft_cap is not None:
+                        s = soft_cap * LOG2E * jnp.tanh(s * (sm_scale / soft_cap))
+                    else:
+                        s = s * scale
+                    if masked:
+                        key = key_col + j * block_k
+                        visible = key <= row_pos
+                        if sliding_window is not None:
+                            visible &= key > row_pos - sliding_window
+                        s = jnp.where(visible, s, -jnp.inf)
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no key yet keeps zeros
+                    p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+                    alpha = jnp.exp2(m_i - shift)
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    if config.registers:
+                        p16 = p.astype(jnp.bfloat16)
+                        softmax_done()
 
-            rows_layout = plgpu.Layout.WGMMA.reduce(1)
-            init = (plgpu.layout_cast(jnp.zeros((WG_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-                    plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), rows_layout),
-                    plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), rows_layout))
-            # blocks every row of this warpgroup sees whole need no mask; the diagonal's (and a window's) do
-            whole = 0 if sliding_window is not None else jnp.clip(lax.div(pos0 + wg * WG_ROWS + 1, block_k), 0, count)
-            if config.pingpong:
-                pl.when(wg == 1)(take_turns)  # the first consumer goes first
-            carry = lax.fori_loop(0, whole, functools.partial(step, masked=False), init)
-            acc, _, l_i = lax.fori_loop(whole, count, functools.partial(step, masked=True), carry)
-            if config.pingpong:
-                pl.when(wg == 0)(take_turns)  # as many turns taken by each
-            l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # padding rows: zeros
-            o_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
-            plgpu.commit_smem()
-            for size in (WG_ROWS >> b for b in range(WG_ROWS.bit_length())):  # `owned` rows as 64 + 32 + ... + 1
-                at = owned & -2 * size  # the rows the larger copies took
+                        def carried(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                            plgpu.wgmma_wait(0)
 
-                @pl.when(owned & size != 0)
-                def _():
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(back + at, size)],
-                                            out_gmem.at[pl.ds(start + at, size), head])
-            plgpu.wait_smem_to_gmem(0)
+                        acc = pl.run_state(carried)(plgpu.ACC.init(acc))
+                    else:
+                        p_smem[wg] = p.astype(jnp.bfloat16)
+                        plgpu.commit_smem()
+                        softmax_done()
+
+                        def values(acc_ref):
+                            plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                            plgpu.wgmma_wait(0)
+                            return acc_ref[...]
+
+                        acc = acc + pl.run_scoped(values, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l_i
+
+                rows_layout = plgpu.Layout.WGMMA.reduce(1)
+                init = (plgpu.layout_cast(jnp.zeros((WG_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                        plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), rows_layout),
+                        plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), rows_layout))
+                # blocks every row of this warpgroup sees whole need no mask; the diagonal's (and a window's) do
+                whole = 0 if sliding_window is not None else jnp.clip(lax.div(pos0 + wg * WG_ROWS + 1, block_k), 0, count)
+                if config.pingpong:
+                    pl.when(wg == 1)(take_turns)  # the first consumer goes first
+                carry = lax.fori_loop(0, whole, functools.partial(step, masked=False), init)
+                acc, _, l_i = lax.fori_loop(whole, count, functools.partial(step, masked=True), carry)
+                if config.pingpong:
+                    pl.when(wg == 0)(take_turns)  # as many turns taken by each
+                l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # padding rows: zeros
+                o_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                for size in (WG_ROWS >> b for b in range(WG_ROWS.bit_length())):  # `owned` rows as 64 + 32 + ... + 1
+                    at = owned & -2 * size  # the rows the larger copies took
+
+                    @pl.when(owned & size != 0)
+                    def _():
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(back + at, size)],
+                                                out_gmem.at[pl.ds(start + at, size), head])
+                plgpu.wait_smem_to_gmem(0)  # the next pair's queries take these bytes
+                return done + count
+
+            lax.fori_loop(0, num_pairs, consume, jnp.int32(0))
 
         @pl.when(wg == CONSUMERS)
         def _producer():
-            kv_head = lax.div(head, group)
+            def produce(n, done):
+                """Pair n's keys and values, block by block, as far ahead of the consumers as the slots allow."""
+                head, seq, _, _, _, first_step, count = pair(n)
+                kv_head = lax.div(head, group)
 
-            def load(i, carry):
-                j, slot = first_step + i, lax.rem(i, stages)
+                def load(i, carry):
+                    j, slot = first_step + i, lax.rem(done + i, stages)
 
-                @pl.when(i >= stages)  # the consumers are done with the block this slot held
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
-                    plgpu.barrier_wait(v_free.at[slot])
+                    @pl.when(done + i >= stages)  # the consumers are done with the block this slot held
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
+                        plgpu.barrier_wait(v_free.at[slot])
 
-                for p in range(pages):
-                    page = table_gmem[seq, jnp.minimum(j * pages + p, max_pages - 1)]
-                    page = jnp.clip(page, 0, num_blocks - 1)
-                    dst = pl.ds(p * block_size, block_size)
-                    plgpu.copy_gmem_to_smem(k_gmem.at[page, :, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(v_gmem.at[page, :, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
-                return carry
+                    for p in range(pages):
+                        page = table_gmem[seq, jnp.minimum(j * pages + p, max_pages - 1)]
+                        page = jnp.clip(page, 0, num_blocks - 1)
+                        dst = pl.ds(p * block_size, block_size)
+                        plgpu.copy_gmem_to_smem(k_gmem.at[page, :, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
+                        plgpu.copy_gmem_to_smem(v_gmem.at[page, :, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
+                    return carry
 
-            lax.fori_loop(0, count, load, None)
+                lax.fori_loop(0, count, load, None)
+                return done + count
 
-            @pl.loop(jnp.maximum(count - stages, 0), count)
+            streamed = lax.fori_loop(0, num_pairs, produce, jnp.int32(0))
+
+            @pl.loop(jnp.maximum(streamed - stages, 0), streamed)
             def _(i):  # the last blocks' releases: every barrier phase observed before the kernel ends
                 plgpu.barrier_wait(k_free.at[lax.rem(i, stages)])
                 plgpu.barrier_wait(v_free.at[lax.rem(i, stages)])
@@ -301,8 +326,8 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
-        grid=(num_work, num_q_heads),
-        grid_names=("item", "head"),
+        grid=(num_ctas,),
+        grid_names=("cta",),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

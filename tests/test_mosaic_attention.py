@@ -40,26 +40,27 @@ def ragged_batch(rng, q_lens, contexts, *, heads=(4, 2), head_dim=64, block_size
     return q, k, v, qsl, jnp.asarray(contexts, jnp.int32), jnp.asarray(tables), jnp.int32(len(contexts))
 
 
-@pytest.mark.parametrize("block_k, head_dim, block_size, heads, decode_queries, pingpong, window, cap, seed", [
-    (64, 64, 16, (4, 2), 16, False, None, None, 0),
-    (128, 64, 32, (4, 1), 0, False, None, None, 1),
-    (64, 128, 64, (2, 2), 16, False, None, None, 2),
+@pytest.mark.parametrize("block_k, head_dim, block_size, heads, decode_queries, pingpong, window, cap, ctas, seed", [
+    (64, 64, 16, (4, 2), 16, False, None, None, 3, 0),
+    (128, 64, 32, (4, 1), 0, False, None, None, 132, 1),
+    (64, 128, 64, (2, 2), 16, False, None, None, 5, 2),
     # the consumers taking turns; not beside the decodes' Triton kernel: interpreted together they can
     # starve each other of the interpreter's threads
-    (64, 64, 16, (4, 2), 0, True, None, None, 3),
-    (64, 64, 16, (4, 2), 16, False, 40, 20.0, 4),  # Gemma 2's sliding window and soft-cap
+    (64, 64, 16, (4, 2), 0, True, None, None, 2, 3),
+    (64, 64, 16, (4, 2), 16, False, 40, 20.0, 7, 4),  # Gemma 2's sliding window and soft-cap
 ])
 def test_matches_the_reference_interpreted(block_k, head_dim, block_size, heads, decode_queries, pingpong, window, cap,
-                                           seed):
+                                           ctas, seed):
     """A prefill chunk behind a cached prefix, a decode (the Triton kernel's with `decode_queries`,
     else a tile here), a whole prompt over two tiles, and padding tokens (zeros), at page sizes
-    below, at and inside a key block."""
+    below, at and inside a key block; a few persistent CTAs walking many pairs each (and one per
+    pair)."""
     rng = np.random.default_rng(seed)
     args = ragged_batch(rng, [70, 1, 150], [90, 37, 150], heads=heads, head_dim=head_dim, block_size=block_size)
     options = dict(sm_scale=1 / np.sqrt(head_dim), sliding_window=window, soft_cap=cap)
     config = MosaicConfig(block_k=block_k, pingpong=pingpong)
     got = jax.jit(functools.partial(mosaic_prefill_attention, **options, interpret=True, config=config,
-                                    decode_queries=decode_queries))(*args)
+                                    decode_queries=decode_queries, num_ctas=ctas))(*args)
     want = reference_ragged_paged_attention(*args, **options)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
     assert not np.asarray(got, np.float32)[221:].any()  # the padding tokens

@@ -91,7 +91,8 @@ class PagedAttention:
                                               queries_per_seq=self.queries_per_seq, interpret=kernels.interpret)
             elif kernels.mosaic and mosaic_supported(q, k_cache):
                 attention = functools.partial(mosaic_prefill_attention, **options, interpret=kernels.interpret,
-                                              config=mosaic_config(q, k_cache, kernels.interpret))
+                                              config=mosaic_config(q, k_cache, kernels.interpret),
+                                              num_ctas=kernels.num_sms)
             else:
                 attention = functools.partial(ragged_paged_attention, **options, interpret=kernels.interpret,
                                               batch_invariant=kernels.batch_invariant)
