@@ -8,7 +8,8 @@ Sections (all bf16, Llama-3-8B heads: 32 query heads, 8 KV heads, D=128, page si
   ours (`ragged_paged_attention_decode`, Triton-lowered), XLA on the dense (pre-gathered) cache, and
   `jax.experimental.pallas.ops.gpu.paged_attention` (head-major copy of the same pages);
 - prefill: 8k tokens as one request and as 16 x 512; TFLOP/s (causal FLOPs) for ours
-  (`ragged_paged_attention`, Triton-lowered, and `mosaic_prefill_attention`, Mosaic GPU) against
+  (`ragged_paged_attention`, Triton-lowered, and `mosaic_prefill_attention`, Mosaic GPU, in the form
+  the runner takes) against
   cuDNN and XLA `jax.nn.dot_product_attention` on dense inputs;
 - kv write: `write_kv` (Pallas, aliased) against the XLA scatter, caches updated in a loop carry;
 - sweep (unless --no-sweep): a few kernel tilings for decode 64 x 4k and prefill 8k, so one run
@@ -48,6 +49,7 @@ import numpy as np
 from jax import lax
 
 from jaxrunner import platform
+from jaxrunner.models.attention import mosaic_config
 from pallas_kernels import (
     FP8,
     KernelConfig,
@@ -236,7 +238,9 @@ def prefill_case(num_seqs: int, seq_len: int, configs: dict[str, KernelConfig | 
                                           sm_scale=SCALE, config=config)
         return rate(device_time(fn, (q, k_cache, v_cache, tables), est_seconds=est))
 
-    def mosaic(config=MosaicConfig()):
+    def mosaic(config=None):
+        config = config or mosaic_config(q, k_cache, interpret=False)  # the runner's form
+
         def fn(i, q, k_cache, v_cache, tables):
             return mosaic_prefill_attention(q, k_cache, v_cache, qsl, lens, tables, jnp.int32(num_seqs),
                                             sm_scale=SCALE, config=config)
@@ -292,7 +296,8 @@ def mixed_case(chunk: int, decodes: int, context: int):
     triton = record("mixed", case, "ours (pallas/triton)", functools.partial(run, ragged_paged_attention))
     for impl, decode_queries in (("ours (mosaic)", 16), ("ours (mosaic, decodes too)", 0)):
         mosaic = record("mixed", case, impl, functools.partial(
-            run, functools.partial(mosaic_prefill_attention, decode_queries=decode_queries)))
+            run, functools.partial(mosaic_prefill_attention, decode_queries=decode_queries,
+                                   config=mosaic_config(q, k_cache, interpret=False))))
         if "error" not in triton and "error" not in mosaic:
             mosaic.setdefault("vs", {})["ours (pallas/triton)"] = triton["time_us"] / mosaic["time_us"]
     k_cache.delete()
