@@ -47,6 +47,9 @@ def test_saved_blocks_come_back_bitwise_one_step_after_their_load(tp, kv_cache_d
         return runner.sample_tokens(state)[0]
 
     state = run(state, KVTransfers(saves=((3, 0), (5, 1), (7, 5))))
+    held = [runner.host_kv.slots[slot] for slot in (0, 1, 5)]  # a block each, where the copy engines reach it
+    assert all(block.sharding.memory_kind == "pinned_host" and block.nbytes == runner.host_kv.block_bytes
+               for block in held)
     state = run(state, KVTransfers(loads=((0, 10), (1, 11), (5, 12))))
     assert all(np.array_equal(a, b) for a, b in zip(pages(state), before)), "a load was written before its step"
     deadline = time.monotonic() + 60
