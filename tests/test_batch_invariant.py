@@ -90,6 +90,19 @@ def test_a_request_gives_the_same_bits_in_any_batch(llm, alone, seeded, others, 
     assert tokens == want_tokens and logprobs == want_logprobs  # bitwise, not within a tolerance
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_without_logprobs_the_batch_samples_whole_and_keeps_the_tokens(llm, alone, seeded):
+    """A sampler that sums no row (no logprobs, no top-p) takes the batch whole, not a tile of rows
+    at a time (`test_the_mode_tiles_the_rows`): its maxima, argmax and noise are exact in any batch,
+    so the target's tokens are those it drew alone with logprobs, through the tiles."""
+    sampling = SamplingParams(temperature=1.0 if seeded else 0.0, seed=11 if seeded else None, max_tokens=10,
+                              ignore_eos=True)
+    for others, seed in ((3, 4), (6, 5)):
+        batch, place = random_batch(TARGET, others, seed)
+        out = llm.generate([{"prompt_token_ids": p} for p in batch], sampling, use_tqdm=False)[place].outputs[0]
+        assert list(out.token_ids) == alone[0][seeded][0]
+
+
 @pytest.mark.parametrize("budget", [16, 128])
 def test_other_chunk_sizes_keep_the_bits(model_dir, alone, budget):
     """A token budget of 16 (the 41-token prompt in three chunks) or 128 (in one) where the reference
@@ -363,15 +376,23 @@ def test_a_moe_models_request_gives_the_same_bits_in_any_batch(tmp_path, tp):
 
 
 def test_the_mode_tiles_the_rows(alone):
-    """Its programs run their row-sized products one tile at a time: a loop in the compiled sampler,
-    and in the forward pass a loop, or on a GPU the grouped matmul kernel's fixed tiles."""
+    """Its programs run their row-sized products one tile at a time: a loop over the rows in the
+    compiled sampler that sums rows (logprobs) and none in the one that does not, and in the
+    forward pass a loop, or on a GPU the grouped matmul kernel's fixed tiles."""
     runner = alone[1]
-    ctx, flags = runner.ctx, runner.ctx.sampler_variants[0]
-    sampler = runner.programs.program(SAMPLE, params=ctx.params, state=ctx.state, last_hidden=ctx.last_hidden(),
-                                      samples=ctx.samples(4, flags), flags=flags)
+    ctx = runner.ctx
+
+    def sampler_text(flags) -> str:
+        sampler = runner.programs.program(SAMPLE, params=ctx.params, state=ctx.state, last_hidden=ctx.last_hidden(),
+                                          samples=ctx.samples(4, flags), flags=flags)
+        return runner.programs.executable(sampler).as_text()
+
+    plain, with_logprobs = ctx.sampler_variants[:2]
+    assert with_logprobs.sums_rows and not plain.sums_rows
     tiles = r"grouped_matmul_m64" if ctx.kernels.pallas and not ctx.kernels.interpret else r"\bwhile\("
     assert re.search(tiles, runner.compile_forward(16).as_text())
-    assert re.search(r"\bwhile\(", runner.programs.executable(sampler).as_text())
+    loops = {flags: len(re.findall(r"\bwhile\(", sampler_text(flags))) for flags in (plain, with_logprobs)}
+    assert loops[with_logprobs] == loops[plain] + 1  # the logits' own row tiles (off a GPU) in both
 
 
 @pytest.mark.gpu

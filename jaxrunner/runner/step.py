@@ -286,7 +286,7 @@ def sample_step(
     def draw(rows: tuple) -> SamplerOutput:
         return sample(rows[0], rows[1], flags, rows[2], kernels)
 
-    out = per_row(draw, (logits, samples.sampling, history), kernels.batch_invariant)
+    out = per_row(draw, (logits, samples.sampling, history), kernels.batch_invariant and flags.sums_rows)
     token_ids = state.token_ids.at[samples.commit_rows, samples.sampling.positions].set(out.tokens, mode="drop")
     return out, dataclasses.replace(state, token_ids=token_ids)
 

@@ -61,6 +61,13 @@ class SamplerFlags:
     logprobs_mode: str = SamplerConfig.logprobs_mode
     count_nans: bool = False
 
+    @property
+    def sums_rows(self) -> bool:
+        """Whether the graph adds up a row: top-p's running sum, the logprobs' normaliser. A sum's
+        order can follow the batch's shape; everything else it does to a row (maxima, argmax,
+        gathers, integer counts, elementwise arithmetic) is exact in any batch."""
+        return self.top_k_top_p or self.num_logprobs != NO_LOGPROBS
+
     def covers(self, needed: SamplerFlags) -> bool:
         return (
             all(getattr(self, f) or not getattr(needed, f) for f in FEATURES)
