@@ -370,7 +370,7 @@ def mosaic_sweep() -> dict[str, MosaicConfig]:
             MosaicConfig(block_k, stages, registers, pingpong)
             for block_k, stages, registers, pingpong in [
                 (64, 2, False, False), (64, 3, False, False), (64, 4, False, False), (128, 2, False, False),
-                (64, 2, True, False), (64, 3, True, False), (128, 2, True, False),
+                (64, 2, True, False), (64, 3, True, False), (128, 2, True, False), (128, 3, True, False),
                 (64, 2, False, True), (64, 2, True, True), (128, 2, True, True)]}
 
 

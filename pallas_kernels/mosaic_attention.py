@@ -80,9 +80,10 @@ def supported(q: jax.Array, k_cache: jax.Array, config: MosaicConfig = MosaicCon
 
 def shared_bytes(head_dim: int, config: MosaicConfig) -> int:
     """A CTA's shared memory: its queries (their bytes hold the output after), the key and value
-    blocks in flight, and the probabilities."""
+    blocks in flight, and the probabilities unless they stay in registers."""
     rows = CONSUMERS * WG_ROWS
-    return 2 * (rows * head_dim + 2 * config.stages * config.block_k * head_dim + rows * config.block_k)
+    probabilities = 0 if config.registers else rows * config.block_k
+    return 2 * (rows * head_dim + 2 * config.stages * config.block_k * head_dim + probabilities)
 
 
 def mosaic_prefill_attention(
@@ -315,6 +316,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
             (queries_then_output,
              plgpu.SMEM((stages, block_k, head_dim), jnp.bfloat16, transforms=rows),
              plgpu.SMEM((stages, block_k, head_dim), jnp.bfloat16, transforms=rows),
+             () if config.registers else  # the probabilities' round trip through shared memory
              plgpu.SMEM((CONSUMERS, WG_ROWS, block_k), jnp.bfloat16, transforms=_transforms(block_k))),
             (plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages, num_barriers=stages)),

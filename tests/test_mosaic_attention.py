@@ -73,6 +73,9 @@ def test_takes_only_what_it_supports():
     assert not supported(q[:63], pages)  # fewer tokens than a warpgroup reads
     assert not supported(q, pages.astype(jnp.float8_e4m3fn))  # fp8 pages: the Triton kernel's
     assert not supported(q, pages, MosaicConfig(block_k=48))
+    # three blocks of 128 keys in flight fit only where the probabilities stay in registers
+    assert supported(q, pages, MosaicConfig(block_k=128, stages=3, registers=True))
+    assert not supported(q, pages, MosaicConfig(block_k=128, stages=3))
     wide = jnp.zeros((64, 4, 256), jnp.bfloat16)  # D = 256: 128 keys a block overflow shared memory, 64 fit
     assert not supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), MosaicConfig(block_k=128))
     assert supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), MosaicConfig(block_k=64))
@@ -110,20 +113,21 @@ def test_the_runner_attends_through_it_with_kernels_mosaic(monkeypatch):
     assert tokens["mosaic"] == tokens["pallas"]
 
 
-@pytest.mark.parametrize("num_seqs, seq_len, block_k, registers, window, cap", [
-    (1, 8192, 64, False, None, None), (16, 512, 128, False, None, None), (1, 8192, 64, True, None, None),
-    (1, 8192, 64, True, 4096, 30.0)])
+@pytest.mark.parametrize("num_seqs, seq_len, block_k, stages, registers, window, cap", [
+    (1, 8192, 64, 2, False, None, None), (16, 512, 128, 2, False, None, None), (1, 8192, 64, 2, True, None, None),
+    (16, 512, 128, 3, True, None, None), (1, 8192, 64, 2, True, 4096, 30.0)])
 @pytest.mark.parametrize("pingpong", [False, True])
-def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k, registers, window, cap, pingpong):
+def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k, stages, registers, window, cap, pingpong):
     """The benchmark's cases (`benchmarks/attention.py`): 32 query heads, 8 KV heads, D = 128, page 16;
-    FlashAttention-3's register form too, which only lowering checks off a GPU; a window and a soft-cap."""
+    FlashAttention-3's register form too (with no probabilities in shared memory, three 128-key
+    blocks in flight fit), which only lowering checks off a GPU; a window and a soft-cap."""
     tokens, pages = num_seqs * seq_len, num_seqs * seq_len // 16
     args = (jax.ShapeDtypeStruct((tokens, 32, 128), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((pages, 16, 8, 128), jnp.bfloat16)] * 2,
             jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
             jax.ShapeDtypeStruct((num_seqs, seq_len // 16), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     f = functools.partial(mosaic_prefill_attention, sm_scale=0.088, sliding_window=window, soft_cap=cap,
-                          config=MosaicConfig(block_k=block_k, registers=registers, pingpong=pingpong))
+                          config=MosaicConfig(block_k=block_k, stages=stages, registers=registers, pingpong=pingpong))
     with jax.sharding.use_abstract_mesh(H200):  # the decodes' Triton kernel lowers for a GPU it is told of
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" in text
@@ -132,7 +136,8 @@ def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k, regist
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_k, stages, registers, pingpong, window, cap", [
     (64, 2, False, False, None, None), (128, 2, False, False, None, None), (64, 3, False, False, None, None),
-    (64, 2, True, False, None, None), (128, 2, True, False, None, None), (64, 2, False, True, None, None),
+    (64, 2, True, False, None, None), (128, 2, True, False, None, None), (128, 3, True, False, None, None),
+    (64, 2, False, True, None, None),
     (64, 2, True, True, None, None), (64, 2, True, True, 512, 30.0),
 ])
 def test_compiled_on_the_gpu_matches_the_reference(block_k, stages, registers, pingpong, window, cap):
