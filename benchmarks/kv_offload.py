@@ -45,16 +45,23 @@ def run(args: argparse.Namespace, tier: bool) -> dict:
     prefixes = [rng.integers(3, vocab, args.prefix).tolist() for _ in range(args.users)]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
+    copies = engine.runner.host_kv.stats if tier else None
+    steps: list[list[float]] = []  # per step of the visits: ms, ms of it starting copies, decoder tokens
+
     def visit(rid: str, prefix: list[int], counting: set[str]) -> tuple[float, int]:
         """Seconds to the visit's first token, and the tokens the decoders made meanwhile."""
         engine.add_request(rid, {"prompt_token_ids": prefix + rng.integers(3, vocab, args.message).tolist()}, one)
         start, made = time.perf_counter(), 0
         while True:
-            for out in engine.step():
-                if out.request_id == rid and out.outputs[0].token_ids:
-                    return time.perf_counter() - start, made
-                if out.request_id in counting:
-                    made += 1
+            began, copying = time.perf_counter(), copies.seconds if copies else 0.0
+            outs = engine.step()
+            counted = sum(out.request_id in counting for out in outs)
+            if counting:
+                steps.append([round(1e3 * (time.perf_counter() - began), 2),
+                              round(1e3 * ((copies.seconds if copies else 0.0) - copying), 2), counted])
+            made += counted
+            if any(out.request_id == rid and out.outputs[0].token_ids for out in outs):
+                return time.perf_counter() - start, made
 
     for u, prefix in enumerate(prefixes):  # the first visits: computed either way
         visit(f"first-{u}", prefix, set())
@@ -75,6 +82,7 @@ def run(args: argparse.Namespace, tier: bool) -> dict:
             ttfts.append(seconds)
             made, spent = made + tokens, spent + seconds
     stats = engine.stats()
+    load_rate = _load_rate(engine.runner.host_kv, 2 * per_user) if tier else {}
     engine.abort_request(list(decoding), final_output=False)
     engine.close()
     return {
@@ -83,8 +91,21 @@ def run(args: argparse.Namespace, tier: bool) -> dict:
         "prefix_cache_hits": stats.prefix_cache_hits, "kv_offload_hits": stats.kv_offload_hits,
         "kv_offload_gb_loaded": round(stats.kv_offload_bytes_loaded / 1e9, 3),
         "kv_offload_gb_saved": round(stats.kv_offload_bytes_saved / 1e9, 3),
-        "kv_offload_seconds": round(stats.kv_offload_seconds, 3),
+        "kv_offload_seconds": round(stats.kv_offload_seconds, 3), **load_rate, "visit_steps": steps,
     }
+
+
+def _load_rate(host_kv, n: int) -> dict:
+    """Host seconds to start copying `n` filled slots to the device, and GB/s until they are there."""
+    slots = [s for s in host_kv.slots if s is not None][:n]
+    jax.block_until_ready(jax.device_put(slots[:8], [host_kv.device] * 8))
+    start = time.perf_counter()
+    blocks = jax.device_put(slots, [host_kv.device] * len(slots))
+    started = time.perf_counter() - start
+    jax.block_until_ready(blocks)
+    seconds = time.perf_counter() - start
+    return {"load_blocks": len(slots), "load_start_ms": round(1e3 * started, 2),
+            "load_gb_per_s": round(len(slots) * host_kv.block_bytes / seconds / 1e9, 2)}
 
 
 def main() -> None:
@@ -107,7 +128,7 @@ def main() -> None:
     result = {"device": jax.devices()[0].device_kind, **vars(args)}
     for mode, tier in (("recompute", False), ("host_tier", True)):
         result[mode] = run(args, tier)
-        print(mode, json.dumps(result[mode]), flush=True)
+        print(mode, json.dumps({k: v for k, v in result[mode].items() if k != "visit_steps"}), flush=True)
     result["ttft_speedup"] = round(result["recompute"]["ttft_ms_median"] / result["host_tier"]["ttft_ms_median"], 2)
     print(json.dumps({k: result[k] for k in ("device", "shape", "prefix", "users", "ttft_speedup")}))
     if out := os.environ.get("OUT"):

@@ -4,16 +4,17 @@ block is in which slot) are the engine's (`engine.host_tier`); they rely on this
 
   1. the earlier steps' loads that are on the device by now (`arrived`) are written into their
      blocks (SCATTER_BLOCKS) before anything of this step runs;
-  2. this step's loads start their copies from their slots to the device (step 1 of a later step
-     writes them);
-  3. this step's saves are gathered from the cache (GATHER_BLOCKS) before the step's programs
-     write it, and start their copies into their slots.
+  2. this step's loads read their slots, and its saves are gathered from the cache (GATHER_BLOCKS),
+     before the step's programs write it (`transfer`);
+  3. once the step's programs are queued, the loads start their copies to the device (step 1 of a
+     later step writes them) and the saves theirs into their slots (`start_copies`).
 
 A slot holds one block as one array in pinned host memory, every page of it packed together
 (`step.gather_blocks`): a copy each way per block, from and to memory the GPU's copy engines reach
-directly, while the device computes; JAX orders a load after the save that filled its slot. So no
-step waits on a copy: the scheduler admits a request whose blocks are loading once `arrived` counts
-them.
+directly, while the device computes; JAX orders a load after the save that filled its slot. Starting
+a copy costs the host time per block, so the host starts them while the device runs the step, and
+no step waits on a copy: the scheduler admits a request whose blocks are loading once `arrived`
+counts them.
 """
 
 from __future__ import annotations
@@ -50,10 +51,19 @@ class HostKV:
         self.slots: list[jax.Array | None] = [None] * ctx.config.num_host_blocks  # a block each, once saved
         self.block_bytes = block.size
         self._padding = jax.device_put(np.zeros(block.shape, block.dtype), self.device)  # a bucket's unused rows
+        self._reserve()
         # Per step with loads, oldest first: its (device blocks, packed blocks on their way) parts.
         self._arriving: deque[list[tuple[np.ndarray, tuple[jax.Array, ...]]]] = deque()
         self._written = 0  # steps whose loads are written into the cache
+        self._loads: tuple[np.ndarray, list[jax.Array]] | None = None  # this step's: device blocks, their slots' arrays
+        self._saves: list[tuple[list[int], tuple[jax.Array, ...]]] = []  # this step's: slots, gathered blocks
         self.stats = HostKVStats()
+
+    def _reserve(self) -> None:
+        """Have the host allocator pin the whole pool now: it pins memory as it grows, and a step
+        whose saves grew it would wait for that (the allocator keeps what it pinned)."""
+        filled = jax.device_put([self._padding] * len(self.slots), [self.host] * len(self.slots))
+        jax.block_until_ready(filled)
 
     def check(self, transfers: KVTransfers) -> None:
         """A ValueError (nothing changed) for a block or slot outside the cache or the pool, or a load
@@ -80,7 +90,7 @@ class HostKV:
         return n
 
     def transfer(self, state: RunnerState, transfers: KVTransfers) -> RunnerState:
-        """Steps 1-3 above; the state with the arrived loads written."""
+        """Steps 1 and 2 above; the state with the arrived loads written."""
         start = time.perf_counter()
         for _ in range(self.arrived() - self._written):
             for blocks, rows in self._arriving.popleft():
@@ -88,28 +98,37 @@ class HostKV:
             self._written += 1
         if transfers.loads:
             slots, blocks = np.array(transfers.loads, np.int64).T
-            loaded = jax.device_put([self.slots[s] for s in slots.tolist()], [self.device] * len(slots))
+            self._loads = (blocks, [self.slots[s] for s in slots.tolist()])
+        for part in self._parts(len(transfers.saves)):
+            blocks, slots = np.array(transfers.saves[part], np.int64).reshape(-1, 2).T
+            padded = np.zeros(bucket(len(blocks), self.buckets), np.int32)
+            padded[: len(blocks)] = blocks
+            rows = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=padded)
+            self._saves.append((slots.tolist(), rows[: len(blocks)]))
+        self.stats.seconds += time.perf_counter() - start
+        return state
+
+    def start_copies(self) -> None:
+        """Step 3 above: the copies that `transfer` prepared."""
+        start = time.perf_counter()
+        if self._loads is not None:
+            blocks, held = self._loads
+            loaded = jax.device_put(held, [self.device] * len(held))
             parts = []
-            for part in self._parts(len(slots)):
+            for part in self._parts(len(held)):
                 n = bucket(part.stop - part.start, self.buckets)
                 padded = np.full(n, self.num_blocks, np.int32)  # past the cache: the scatter drops them
                 padded[: part.stop - part.start] = blocks[part]
-                rows = loaded[part] + [self._padding] * (n - (part.stop - part.start))
-                parts.append((padded, tuple(rows)))
+                parts.append((padded, tuple(loaded[part] + [self._padding] * (n - (part.stop - part.start)))))
             self._arriving.append(parts)
-            self.stats.bytes_loaded += len(slots) * self.block_bytes
-        if transfers.saves:
-            blocks, slots = np.array(transfers.saves, np.int64).T
-            for part in self._parts(len(slots)):
-                count = part.stop - part.start
-                padded = np.zeros(bucket(count, self.buckets), np.int32)
-                padded[:count] = blocks[part]
-                rows = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=padded)
-                for slot, row in zip(slots[part].tolist(), jax.device_put(list(rows[:count]), [self.host] * count)):
-                    self.slots[slot] = row
+            self.stats.bytes_loaded += len(held) * self.block_bytes
+            self._loads = None
+        for slots, rows in self._saves:
+            for slot, row in zip(slots, jax.device_put(list(rows), [self.host] * len(slots))):
+                self.slots[slot] = row
             self.stats.bytes_saved += len(slots) * self.block_bytes
+        self._saves = []
         self.stats.seconds += time.perf_counter() - start
-        return state
 
     def _parts(self, n: int) -> list[slice]:
         most = self.buckets[-1]

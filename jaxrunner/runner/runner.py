@@ -4,14 +4,14 @@ One step, top to bottom:
   1. `plan.prepare`: check the SchedulerOutput and make the next host request table and the step's
      plan (padded arrays, rows to write, LoRA slots to load, prompt-logprob rows); until both stand
      nothing has changed, so a ValueError leaves the runner exactly as it was (random state included);
-  2. `execute_model`, on the device (state donated): the copies to and from the host tier
-     (`host_kv`), the plan's row writes, then the backbone over the packed tokens with paged
-     attention (a multi-step decode: all its rounds, sampling included);
+  2. `execute_model`, on the device (state donated): the host tier's arrived loads written and its
+     saves gathered (`host_kv`), the plan's row writes, then the backbone over the packed tokens
+     with paged attention (a multi-step decode: all its rounds, sampling included);
   3. `sample_tokens`: the structured requests' grammar masks into the plan's buffer (the host fills
      them while the backbone runs), then logits and sampling for the batch's rows (with speculative
      decoding, `spec_decode.sample`: verify the drafts, keep 1 to k + 1 tokens, propose the next),
-     and prompt logprobs for requests that ask for them; the output is handed back in flight
-     (`dispatch`) or read (`step`).
+     and prompt logprobs for requests that ask for them; then the host tier's copies start while
+     the device runs all that; the output is handed back in flight (`dispatch`) or read (`step`).
 Each device call is a program of `programs.py`, found by the key of its named arguments. With
 `tensor_parallel_size` > 1 the runner lays its params out for the split and places them and its
 state on a mesh (`parallel`); every program then runs split over it, the step unchanged.
@@ -202,6 +202,7 @@ class Runner:
             if grammar_bitmask is not None:
                 raise ValueError("grammar_bitmask given for a step with no structured request that samples one token")
             self._forwarded = None
+            self._start_copies()
             return state, fwd
         plan = fwd.plan
         check_masks(plan.sched, grammar_bitmask, self.model_config.vocab_size)
@@ -217,7 +218,13 @@ class Runner:
         prompt_logprobs = self._prompt_logprobs.score(plan.scoring, lambda rows, targets: self.programs.run(
             PROMPT_LOGPROBS, params=self.params, hidden=fwd.hidden, rows=rows, targets=targets),
             self.model_config.vocab_size)
+        self._start_copies()
         return state, self._pending(plan, out, prompt_logprobs, num_kept, drafts)
+
+    def _start_copies(self) -> None:
+        """The host tier's copies of the step just queued: the host starts them while the device runs it."""
+        if self.host_kv is not None:
+            self.host_kv.start_copies()
 
     def _write_rows(self, state: RunnerState, plan: StepPlan) -> RunnerState:
         """Load the step's adapters into their slots, and its changed rows into the device tables."""
