@@ -16,12 +16,14 @@ Writes $OUT/kv_offload.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.checkpoints.dummy import SHAPES, shape
@@ -105,7 +107,24 @@ def _load_rate(host_kv, n: int) -> dict:
     jax.block_until_ready(blocks)
     seconds = time.perf_counter() - start
     return {"load_blocks": len(slots), "load_start_ms": round(1e3 * started, 2),
-            "load_gb_per_s": round(len(slots) * host_kv.block_bytes / seconds / 1e9, 2)}
+            "load_gb_per_s": round(len(slots) * host_kv.block_bytes / seconds / 1e9, 2),
+            "compute_beside_loads": _compute_beside_loads(host_kv, slots)}
+
+
+def _compute_beside_loads(host_kv, slots: list) -> dict:
+    """Milliseconds from queuing a few matmuls to their result, without loads in flight and just
+    after starting them: whether a step queued behind a load waits for its copies."""
+    x = jax.device_put(np.ones((4096, 4096), np.float32), host_kv.device).astype(jnp.bfloat16)
+    work = jax.jit(lambda a: functools.reduce(lambda acc, _: acc @ a, range(4), a))
+    jax.block_until_ready(work(x))
+    found = {}
+    for name, loads in (("alone", []), ("beside_loads", slots)):
+        blocks = jax.device_put(loads, [host_kv.device] * len(loads))
+        start = time.perf_counter()
+        jax.block_until_ready(work(x))
+        found[name + "_ms"] = round(1e3 * (time.perf_counter() - start), 2)
+        jax.block_until_ready(blocks)
+    return found
 
 
 def main() -> None:
