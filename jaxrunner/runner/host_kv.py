@@ -101,9 +101,7 @@ class HostKV:
             self._loads = (blocks, [self.slots[s] for s in slots.tolist()])
         for part in self._parts(len(transfers.saves)):
             blocks, slots = np.array(transfers.saves[part], np.int64).reshape(-1, 2).T
-            padded = np.zeros(bucket(len(blocks), self.buckets), np.int32)
-            padded[: len(blocks)] = blocks
-            rows = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=padded)
+            rows = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=self._bucketed(blocks, 0))
             self._saves.append((slots.tolist(), rows[: len(blocks)]))
         self.stats.seconds += time.perf_counter() - start
         return state
@@ -116,10 +114,8 @@ class HostKV:
             loaded = jax.device_put(held, [self.device] * len(held))
             parts = []
             for part in self._parts(len(held)):
-                n = bucket(part.stop - part.start, self.buckets)
-                padded = np.full(n, self.num_blocks, np.int32)  # past the cache: the scatter drops them
-                padded[: part.stop - part.start] = blocks[part]
-                parts.append((padded, tuple(loaded[part] + [self._padding] * (n - (part.stop - part.start)))))
+                padded = self._bucketed(blocks[part], self.num_blocks)  # past the cache: the scatter drops them
+                parts.append((padded, tuple(loaded[part] + [self._padding] * (len(padded) - len(blocks[part])))))
             self._arriving.append(parts)
             self.stats.bytes_loaded += len(held) * self.block_bytes
             self._loads = None
@@ -129,6 +125,12 @@ class HostKV:
             self.stats.bytes_saved += len(slots) * self.block_bytes
         self._saves = []
         self.stats.seconds += time.perf_counter() - start
+
+    def _bucketed(self, blocks: np.ndarray, fill: int) -> np.ndarray:
+        """`blocks` padded with `fill` to their copy bucket."""
+        padded = np.full(bucket(len(blocks), self.buckets), fill, np.int32)
+        padded[: len(blocks)] = blocks
+        return padded
 
     def _parts(self, n: int) -> list[slice]:
         most = self.buckets[-1]
