@@ -14,8 +14,8 @@ and sees keys j <= position (and j > position - sliding_window when set).
 
 Two entry points share one kernel (`attention_kernel.py`) and differ only in static tiling:
 - `ragged_paged_attention`: any mix; `block_q` tokens of one sequence per program (about 128 rows
-  with the GQA group; 16 in batch-invariant steps), no KV split: built for prefill chunks, correct
-  for everything;
+  with the GQA group; 16 in batch-invariant steps): built for prefill chunks, correct for
+  everything. No KV split, except in a short step over a long context (`prefill_config`);
 - `ragged_paged_attention_decode`: the decode specialisation for a batch where no sequence has more
   than `queries_per_seq` query tokens (1, or 1 + k speculative drafts): one program per sequence and
   KV head with as few padded rows as the dot allows, and the context split across programs
@@ -38,6 +38,10 @@ from pallas_kernels.common import FP8, cdiv, combine_splits, next_pow2, tree_sum
 ALL_QUERIES = (0, 1 << 30)  # `work_list`'s default: sequences of any query count
 MIN_SPLIT_KEYS = 512  # a flash-decoding split covers at least this many keys...
 SHORT_SPLIT_KEYS = 128  # ...or, for a batch with fewer (sequence, KV head) pairs than SMs, this many
+SHORT_STEP_TOKENS = 256  # a mixed step of at most this many tokens...
+LONG_CONTEXT_KEYS = 4096  # ...over a context of at least this many keys splits it, in splits of...
+PREFILL_SPLIT_KEYS = 1024  # ...at least this many keys, at most MAX_PREFILL_SPLITS of them
+MAX_PREFILL_SPLITS = 16
 
 
 def ragged_paged_attention(
@@ -63,8 +67,12 @@ def ragged_paged_attention(
     query tokens (the padding's tokens as one more sequence); the other tokens' rows are left
     unwritten, or as they are in `into` (another kernel's output for them, donated)."""
     spec = _spec(q, k_cache, v_cache, sm_scale, sliding_window, soft_cap)
-    tiling = invariant_config if batch_invariant else prefill_config
-    cfg = config or tiling(q.dtype, q.shape[2], spec.padded_group)
+    if batch_invariant:
+        cfg = config or invariant_config(q.dtype, q.shape[2], spec.padded_group)
+    else:  # split partials cannot go into another kernel's output: no split with `into`
+        cfg = config or prefill_config(q.dtype, q.shape[2], spec.padded_group,
+                                       num_tokens=q.shape[0] if into is None else 0,
+                                       max_context=block_tables.shape[1] * k_cache.shape[1])
     return _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
                       spec=spec, cfg=cfg, interpret=interpret, queries=queries, into=into)
 
@@ -101,13 +109,25 @@ def ragged_paged_attention_decode(
                       spec=spec, cfg=cfg, interpret=interpret)
 
 
-def prefill_config(dtype, head_dim: int, padded_group: int) -> KernelConfig:
+def prefill_config(dtype, head_dim: int, padded_group: int, *, num_tokens: int = 0, max_context: int = 0) -> KernelConfig:
     """Tiling for mixed/prefill batches: ~128 query rows (64 for D=256 or fp32) x 64 keys, 4 warps
-    (4 warps won the H200 sweep in docs/benchmarks.md)."""
+    (4 warps won the H200 sweep in docs/benchmarks.md).
+
+    A step of at most SHORT_STEP_TOKENS `num_tokens` (a short chunk beside decodes: a revisited
+    prefix's last message) over a `max_context` of LONG_CONTEXT_KEYS or more also splits the
+    context, as the decode kernel does: unsplit, the chunk's few work items would each walk the
+    whole context on one SM while the rest of the GPU idles. A sequence with fewer keys than a
+    split's PREFILL_SPLIT_KEYS uses one split; the others' programs end at once."""
     big = head_dim > 128 or jnp.dtype(dtype) == jnp.float32
     rows = 64 if big else 128
     block_q = max(1, rows // padded_group)
-    return KernelConfig(block_q=block_q, block_k=32 if big else 64, num_warps=4, num_stages=2 if big else 3)
+    block_k = 32 if big else 64
+    num_splits = 1
+    if 0 < num_tokens <= SHORT_STEP_TOKENS and max_context >= LONG_CONTEXT_KEYS:
+        num_splits = min(MAX_PREFILL_SPLITS, max_context // PREFILL_SPLIT_KEYS)
+    return KernelConfig(block_q=block_q, block_k=block_k, num_splits=num_splits,
+                        min_split_blocks=PREFILL_SPLIT_KEYS // block_k if num_splits > 1 else 1,
+                        num_warps=4, num_stages=2 if big else 3)
 
 
 def invariant_config(dtype, head_dim: int, padded_group: int) -> KernelConfig:

@@ -27,7 +27,7 @@ from pallas_kernels import (
     reference_ragged_paged_attention,
     write_kv,
 )
-from pallas_kernels.ragged_paged_attention import decode_config
+from pallas_kernels.ragged_paged_attention import decode_config, prefill_config
 
 NUM_SMS = 132  # an H200's
 ENTRIES = {"ragged": ragged_paged_attention, "decode": functools.partial(ragged_paged_attention_decode, num_sms=NUM_SMS),
@@ -132,6 +132,22 @@ def test_split_kv():
     for seed in (41, 42):
         batch = make_batch(seed, **kw)
         _run_and_check(batch, jnp.float32, entries=("decode",), sm_scale=0.125, config=config)
+
+
+def test_prefill_rows_split_over_the_context():
+    """The mixed kernel's rows (chunks and prompts of many tokens, whose causal edge a split may
+    cut) with the context split, forced small so that these contexts split; the tiling splits on
+    its own only a short step over a long context."""
+    kw = _shape_kwargs(jnp.bfloat16, 128, 16, 2, 4)
+    config = KernelConfig(block_q=8, block_k=16, num_splits=4, min_split_blocks=1)
+    for seed in (43, 44):
+        batch = make_batch(seed, **kw)
+        _run_and_check(batch, jnp.bfloat16, entries=("ragged",), sm_scale=0.1, config=config)
+    tiling = functools.partial(prefill_config, jnp.bfloat16, 128, 4)
+    assert tiling().num_splits == tiling(num_tokens=2048, max_context=16384).num_splits == 1
+    assert tiling(num_tokens=128, max_context=2048).num_splits == 1
+    short_step = tiling(num_tokens=128, max_context=16384)
+    assert short_step.num_splits == 16 and short_step.min_split_blocks * short_step.block_k == 1024
 
 
 def test_batch_invariant_tiling_is_the_decode_kernels_rows_in_one_loop_without_splits():

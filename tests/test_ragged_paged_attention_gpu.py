@@ -96,6 +96,18 @@ def test_uniform_decode_long_context(dtype, queries_per_seq):
     _check(batch, out, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_short_step_over_a_long_context(dtype):
+    """A chunk of 65 tokens behind an 8k-token context beside decodes, as a revisited prefix's
+    message is: the mixed kernel's default tiling splits the context (`prefill_config`)."""
+    rng = np.random.default_rng(11)
+    q_lens = [65] + [1] * 15
+    ctx = [8192] + [int(c) for c in rng.integers(1, 8192, 15)]
+    batch = make_batch(int(rng.integers(1 << 30)), dtype=dtype, head_dim=128, block_size=16, num_kv_heads=8,
+                       group=4, num_slots=16, num_tokens=128, max_blocks=520, q_lens=q_lens, ctx_lens=ctx)
+    _compare(batch, dtype, entries=("ragged",), sm_scale=1 / math.sqrt(128))
+
+
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_write_kv(impl):
     rng = np.random.default_rng(3)
