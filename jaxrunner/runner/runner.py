@@ -218,11 +218,14 @@ class Runner:
         prompt_logprobs = self._prompt_logprobs.score(plan.scoring, lambda rows, targets: self.programs.run(
             PROMPT_LOGPROBS, params=self.params, hidden=fwd.hidden, rows=rows, targets=targets),
             self.model_config.vocab_size)
+        pending = self._pending(plan, out, prompt_logprobs, num_kept, drafts)
         self._start_copies()
-        return state, self._pending(plan, out, prompt_logprobs, num_kept, drafts)
+        return state, pending
 
     def _start_copies(self) -> None:
-        """The host tier's copies of the step just queued: the host starts them while the device runs it."""
+        """The host tier's copies of the step just queued: the host starts them while the device runs
+        it, after the step's output has started its way to the host (`_pending`), which would
+        otherwise queue behind the saves."""
         if self.host_kv is not None:
             self.host_kv.start_copies()
 
