@@ -23,13 +23,13 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.checkpoints.dummy import SHAPES, shape
 from jaxrunner.engine.engine import LLMEngine
 from jaxrunner.engine.engine_args import EngineArgs
 from jaxrunner.runner.memory import bytes_per_block
+from jaxrunner.runner.pending_output import PendingOutput
 from jaxrunner.sampling_params import SamplingParams
 
 
@@ -48,19 +48,27 @@ def run(args: argparse.Namespace, tier: bool) -> dict:
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     copies = engine.runner.host_kv.stats if tier else None
-    steps: list[list[float]] = []  # per step of the visits: ms, ms of it starting copies, decoder tokens
+    in_parts = _time_parts(engine, tier)
+    # Per step of the visits: ms, ms of it in the tier's copies, decoder tokens, after it: the visit
+    # waiting for its loads, the visit running, the load batches arrived; then ms of the step in
+    # each of `in_parts`.
+    steps: list[list] = []
 
     def visit(rid: str, prefix: list[int], counting: set[str]) -> tuple[float, int]:
         """Seconds to the visit's first token, and the tokens the decoders made meanwhile."""
         engine.add_request(rid, {"prompt_token_ids": prefix + rng.integers(3, vocab, args.message).tolist()}, one)
         start, made = time.perf_counter(), 0
         while True:
-            began, copying = time.perf_counter(), copies.seconds if copies else 0.0
+            began, copying, parts = time.perf_counter(), copies.seconds if copies else 0.0, dict(in_parts)
             outs = engine.step()
             counted = sum(out.request_id in counting for out in outs)
             if counting:
+                scheduler = engine.scheduler
                 steps.append([round(1e3 * (time.perf_counter() - began), 2),
-                              round(1e3 * ((copies.seconds if copies else 0.0) - copying), 2), counted])
+                              round(1e3 * ((copies.seconds if copies else 0.0) - copying), 2), counted,
+                              rid in scheduler.loading, any(r.req_id == rid for r in scheduler.running),
+                              engine.runner.host_kv.arrived() if copies else 0,
+                              *(round(1e3 * (in_parts[k] - parts[k]), 2) for k in in_parts)])
             made += counted
             if any(out.request_id == rid and out.outputs[0].token_ids for out in outs):
                 return time.perf_counter() - start, made
@@ -97,34 +105,46 @@ def run(args: argparse.Namespace, tier: bool) -> dict:
     }
 
 
+def _time_parts(engine: LLMEngine, tier: bool) -> dict[str, float]:
+    """Seconds spent so far in the parts of a step that could hold the host up: waiting for a
+    step's output, and with the tier writing arrived pieces and starting copies (wrapped here)."""
+    spent = {"output_wait": 0.0, "write_arrived": 0.0, "start_copies": 0.0}
+
+    def timed(name, fn):
+        fn = getattr(fn, "__wrapped__", fn)  # the class's method: wrapped by an earlier run
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return run
+
+    PendingOutput.get = timed("output_wait", PendingOutput.get)
+    if tier:
+        host_kv = engine.runner.host_kv
+        host_kv._write_arrived = timed("write_arrived", host_kv._write_arrived)
+        host_kv.start_copies = timed("start_copies", host_kv.start_copies)
+    return spent
+
+
 def _load_rate(host_kv, n: int) -> dict:
-    """Host seconds to start copying `n` filled slots to the device, and GB/s until they are there."""
-    slots = [s for s in host_kv.slots if s is not None][:n]
-    jax.block_until_ready(jax.device_put(slots[:8], [host_kv.device] * 8))
+    """Host seconds to start copying the pieces that hold `n` filled slots to the device, and GB/s
+    until they are there (whether copies hold the device's programs back: `host_copies.py`)."""
+    pieces = list({id(piece): piece for piece, _ in filter(None, host_kv.slots)}.values())
+    while sum(piece.shape[0] for piece in pieces[:-1]) >= n:
+        pieces.pop()
+    jax.block_until_ready(jax.device_put(pieces[:1], [host_kv.device]))
     start = time.perf_counter()
-    blocks = jax.device_put(slots, [host_kv.device] * len(slots))
+    blocks = jax.device_put(pieces, [host_kv.device] * len(pieces))
     started = time.perf_counter() - start
     jax.block_until_ready(blocks)
     seconds = time.perf_counter() - start
-    return {"load_blocks": len(slots), "load_start_ms": round(1e3 * started, 2),
-            "load_gb_per_s": round(len(slots) * host_kv.block_bytes / seconds / 1e9, 2),
-            "compute_beside_loads": _compute_beside_loads(host_kv, slots)}
-
-
-def _compute_beside_loads(host_kv, slots: list) -> dict:
-    """Milliseconds from queuing a few matmuls to their result, without loads in flight and just
-    after starting them: whether a step queued behind a load waits for its copies."""
-    x = jax.device_put(np.ones((4096, 4096), np.float32), host_kv.device).astype(jnp.bfloat16)
-    work = jax.jit(lambda a: functools.reduce(lambda acc, _: acc @ a, range(4), a))
-    jax.block_until_ready(work(x))
-    found = {}
-    for name, loads in (("alone", []), ("beside_loads", slots)):
-        blocks = jax.device_put(loads, [host_kv.device] * len(loads))
-        start = time.perf_counter()
-        jax.block_until_ready(work(x))
-        found[name + "_ms"] = round(1e3 * (time.perf_counter() - start), 2)
-        jax.block_until_ready(blocks)
-    return found
+    return {"load_pieces": len(pieces), "load_blocks": sum(piece.shape[0] for piece in pieces),
+            "load_start_ms": round(1e3 * started, 2),
+            "load_gb_per_s": round(sum(piece.nbytes for piece in pieces) / seconds / 1e9, 2)}
 
 
 def main() -> None:

@@ -25,7 +25,8 @@ from jaxrunner.runner.step import SampleInputs, TokenInputs
 from jaxrunner.sampling import SamplerFlags, flag_variants, neutral_metadata
 from jaxrunner.spec_decode.drafts import queries_per_decode
 
-KV_TRANSFER_MAX = 256  # the most blocks one host-tier copy moves
+KV_TRANSFER_BYTES = 64 << 20  # the most one host-tier copy moves: copies this large run at the link's rate
+SCATTER_GROUPS = (1, 2, 4, 8)  # how many of the largest copies one program writes into the cache (padded up)
 
 
 @dataclass(frozen=True)
@@ -112,21 +113,21 @@ class Context:
 
     @property
     def kv_transfer_buckets(self) -> tuple[int, ...]:
-        """Block counts a host tier's copies are padded to (none without a host tier); more blocks
-        go in several copies of the largest."""
+        """Block counts a host tier copies in one piece, powers of two (none without a host tier):
+        the most that fit KV_TRANSFER_BYTES, or one block where a block is larger."""
         if not self.config.num_host_blocks:
             return ()
-        return tuple(1 << i for i in range(min(KV_TRANSFER_MAX, self.config.num_blocks).bit_length()))
+        most = min(max(1, KV_TRANSFER_BYTES // self.packed_blocks(1).size), self.config.num_blocks)
+        return tuple(1 << i for i in range(most.bit_length()))
 
-    @functools.cached_property
-    def packed_block(self) -> jax.ShapeDtypeStruct:
-        """One block as a host tier keeps it (`step.gather_blocks`), on the device: bytes [shards,
-        bytes], each device's row its own."""
+    def packed_blocks(self, n: int) -> jax.ShapeDtypeStruct:
+        """`n` blocks as a host tier keeps them (`step.gather_blocks`), on the device: bytes [n,
+        shards, bytes], each device's heads in its own row."""
         leaves = jax.tree.leaves((self.state.kv, self.state.draft_kv))
         size = sum(leaf.size // leaf.shape[0] * leaf.dtype.itemsize for leaf in leaves) // self.model.shards
-        sharding = (NamedSharding(self.mesh, P(MODEL_AXIS, None)) if self.mesh is not None
+        sharding = (NamedSharding(self.mesh, P(None, MODEL_AXIS, None)) if self.mesh is not None
                     else SingleDeviceSharding(jax.devices()[0]))
-        return jax.ShapeDtypeStruct((self.model.shards, size), np.uint8, sharding=sharding)
+        return jax.ShapeDtypeStruct((n, self.model.shards, size), np.uint8, sharding=sharding)
 
     def hidden(self, rows: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((rows, self.model.hidden_size), self.dtype)

@@ -2,19 +2,23 @@
 copies between it and the device's cache that each step's `KVTransfers` asks for. The books (which
 block is in which slot) are the engine's (`engine.host_tier`); they rely on this order within a step:
 
-  1. the earlier steps' loads that are on the device by now (`arrived`) are written into their
-     blocks (SCATTER_BLOCKS) before anything of this step runs;
+  1. the earlier steps' loads that are on the device by now are written into their blocks
+     (SCATTER_BLOCKS) before anything of this step runs: each piece as it arrives, so that a
+     request's whole load is not written in the step that admits it (`arrived`);
   2. this step's loads read their slots, and its saves are gathered from the cache (GATHER_BLOCKS),
      before the step's programs write it (`transfer`);
   3. once the step's programs are queued, the loads start their copies to the device (step 1 of a
-     later step writes them) and the saves theirs into their slots (`start_copies`).
+     later step writes them) and the saves theirs to the host (`start_copies`).
 
-A slot holds one block as one array in pinned host memory, every page of it packed together
-(`step.gather_blocks`): a copy each way per block, from and to memory the GPU's copy engines reach
-directly, while the device computes; JAX orders a load after the save that filled its slot. Starting
-a copy costs the host time per block, so the host starts them while the device runs the step, and
-no step waits on a copy: the scheduler admits a request whose blocks are loading once `arrived`
-counts them.
+Blocks move in pieces: the blocks a step saves, packed together (`step.gather_blocks`) in runs of
+a copy bucket's size, are one array in pinned host memory each, and a slot is a row of one. A load
+copies every piece that holds one of its slots whole, and the scatter drops the rows no slot of the
+load asked for. Each copy costs the host a start and runs at the link's rate only when large, so a
+prefix saved in a few steps comes back in a few copies, not one per block; they run beside the
+device's programs, and no step waits on one: the scheduler admits a request whose blocks are
+loading once `arrived` counts them. A piece lives while one of its rows is a slot's; the engine
+evicts its slots in LRU order, and the blocks saved together are used together, so they go
+together.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxrunner.runner.context import Context
+from jaxrunner.runner.context import SCATTER_GROUPS, Context
 from jaxrunner.runner.input_batch import bucket
 from jaxrunner.runner.programs import GATHER_BLOCKS, SCATTER_BLOCKS, Programs
 from jaxrunner.runner.state import RunnerState
@@ -36,8 +40,11 @@ from jaxrunner.step_io import KVTransfers, reject
 @dataclass
 class HostKVStats:
     bytes_saved: int = 0  # device to host
-    bytes_loaded: int = 0  # host to device
+    bytes_loaded: int = 0  # host to device: whole pieces, with the rows the loads did not ask for
     seconds: float = 0.0  # host time the steps spent starting the copies
+
+
+Piece = jax.Array  # packed blocks [n, shards, bytes] in pinned host memory, n a copy bucket
 
 
 class HostKV:
@@ -45,25 +52,26 @@ class HostKV:
         self.programs = programs
         self.buckets = ctx.kv_transfer_buckets
         self.num_blocks = ctx.config.num_blocks
-        block = ctx.packed_block
+        block = ctx.packed_blocks(1)
         self.device = block.sharding
         self.host = block.sharding.with_memory_kind("pinned_host")
-        self.slots: list[jax.Array | None] = [None] * ctx.config.num_host_blocks  # a block each, once saved
+        self.slots: list[tuple[Piece, int] | None] = [None] * ctx.config.num_host_blocks  # (piece, row), once saved
         self.block_bytes = block.size
-        self._padding = jax.device_put(np.zeros(block.shape, block.dtype), self.device)  # a bucket's unused rows
+        most = ctx.packed_blocks(self.buckets[-1])
+        self._padding = jax.device_put(np.zeros(most.shape, np.uint8), self.device)  # fills a group of pieces
         self._reserve()
-        # Per step with loads, oldest first: its (device blocks, packed blocks on their way) parts.
-        self._arriving: deque[list[tuple[np.ndarray, tuple[jax.Array, ...]]]] = deque()
+        # Per step with loads, oldest first: its pieces not written yet, as (device block per row, piece on its way).
+        self._arriving: deque[list[tuple[np.ndarray, jax.Array]]] = deque()
         self._written = 0  # steps whose loads are written into the cache
-        self._loads: tuple[np.ndarray, list[jax.Array]] | None = None  # this step's: device blocks, their slots' arrays
-        self._saves: list[tuple[list[int], tuple[jax.Array, ...]]] = []  # this step's: slots, gathered blocks
+        self._loads: list[tuple[Piece, np.ndarray]] = []  # this step's: pieces, the device block per row
+        self._saves: list[tuple[list[int], jax.Array]] = []  # this step's: slots, their blocks gathered
         self.stats = HostKVStats()
 
     def _reserve(self) -> None:
         """Have the host allocator pin the whole pool now: it pins memory as it grows, and a step
         whose saves grew it would wait for that (the allocator keeps what it pinned)."""
-        filled = jax.device_put([self._padding] * len(self.slots), [self.host] * len(self.slots))
-        jax.block_until_ready(filled)
+        count = -(-len(self.slots) // self.buckets[-1])
+        jax.block_until_ready(jax.device_put([self._padding] * count, [self.host] * count))
 
     def check(self, transfers: KVTransfers) -> None:
         """A ValueError (nothing changed) for a block or slot outside the cache or the pool, or a load
@@ -79,59 +87,84 @@ class HostKV:
                 reject(f"kv_transfers.loads: host slot {slot} holds no block (no earlier step saved one into it)")
 
     def arrived(self) -> int:
-        """The steps with loads, counted from the first, whose blocks the next step writes before it
-        runs (step 1): those written already, then those whose blocks are all on the device. It only
-        grows, so a request the scheduler admits on it finds its blocks written."""
+        """The steps with loads, counted from the first, whose blocks the next step has written
+        before it runs (step 1): those written already, then those whose pieces are all on the
+        device. It only grows, so a request the scheduler admits on it finds its blocks written."""
         n = self._written
-        for parts in self._arriving:
-            if not all(row.is_ready() for _, rows in parts for row in rows):
+        for pieces in self._arriving:
+            if not all(piece.is_ready() for _, piece in pieces):
                 break
             n += 1
         return n
 
     def transfer(self, state: RunnerState, transfers: KVTransfers) -> RunnerState:
-        """Steps 1 and 2 above; the state with the arrived loads written."""
+        """Steps 1 and 2 above; the state with the arrived pieces written."""
         start = time.perf_counter()
-        for _ in range(self.arrived() - self._written):
-            for blocks, rows in self._arriving.popleft():
-                state = self.programs.run(SCATTER_BLOCKS, state=state, blocks=blocks, packed=rows)
-            self._written += 1
-        if transfers.loads:
-            slots, blocks = np.array(transfers.loads, np.int64).T
-            self._loads = (blocks, [self.slots[s] for s in slots.tolist()])
-        for part in self._parts(len(transfers.saves)):
-            blocks, slots = np.array(transfers.saves[part], np.int64).reshape(-1, 2).T
-            rows = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=self._bucketed(blocks, 0))
-            self._saves.append((slots.tolist(), rows[: len(blocks)]))
+        state = self._write_arrived(state)
+        pieces: dict[int, tuple[Piece, np.ndarray]] = {}
+        for slot, block in transfers.loads:
+            piece, row = self.slots[slot]
+            _, blocks = pieces.setdefault(id(piece), (piece, np.full(piece.shape[0], self.num_blocks, np.int32)))
+            blocks[row] = block  # the rest stay past the cache: the scatter drops them
+        self._loads = list(pieces.values())
+        saves = np.array(transfers.saves, np.int64).reshape(-1, 2)
+        at = 0
+        for n in self._runs(len(saves)):
+            blocks, slots = saves[at : at + n].T
+            packed = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=blocks.astype(np.int32))
+            self._saves.append((slots.tolist(), packed))
+            at += n
         self.stats.seconds += time.perf_counter() - start
         return state
 
     def start_copies(self) -> None:
         """Step 3 above: the copies that `transfer` prepared."""
         start = time.perf_counter()
-        if self._loads is not None:
-            blocks, held = self._loads
-            loaded = jax.device_put(held, [self.device] * len(held))
-            parts = []
-            for part in self._parts(len(held)):
-                padded = self._bucketed(blocks[part], self.num_blocks)  # past the cache: the scatter drops them
-                parts.append((padded, tuple(loaded[part] + [self._padding] * (len(padded) - len(blocks[part])))))
-            self._arriving.append(parts)
-            self.stats.bytes_loaded += len(held) * self.block_bytes
-            self._loads = None
-        for slots, rows in self._saves:
-            for slot, row in zip(slots, jax.device_put(list(rows), [self.host] * len(slots))):
-                self.slots[slot] = row
-            self.stats.bytes_saved += len(slots) * self.block_bytes
-        self._saves = []
+        if self._loads:
+            loaded = jax.device_put([piece for piece, _ in self._loads], [self.device] * len(self._loads))
+            self._arriving.append([(blocks, piece) for (_, blocks), piece in zip(self._loads, loaded)])
+            self.stats.bytes_loaded += sum(piece.nbytes for piece, _ in self._loads)
+            self._loads = []
+        if self._saves:
+            held = jax.device_put([packed for _, packed in self._saves], [self.host] * len(self._saves))
+            for (slots, _), piece in zip(self._saves, held):
+                for row, slot in enumerate(slots):
+                    self.slots[slot] = (piece, row)
+                self.stats.bytes_saved += piece.nbytes
+            self._saves = []
         self.stats.seconds += time.perf_counter() - start
 
-    def _bucketed(self, blocks: np.ndarray, fill: int) -> np.ndarray:
-        """`blocks` padded with `fill` to their copy bucket."""
-        padded = np.full(bucket(len(blocks), self.buckets), fill, np.int32)
-        padded[: len(blocks)] = blocks
-        return padded
+    def _write_arrived(self, state: RunnerState) -> RunnerState:
+        """Every piece on the device by now written into its blocks, the largest ones a group per
+        program (SCATTER_GROUPS); then the steps all of whose pieces are written are done."""
+        most, largest = self.buckets[-1], []
+        for pieces in self._arriving:
+            waiting = []
+            for blocks, piece in pieces:
+                if not piece.is_ready():
+                    waiting.append((blocks, piece))
+                elif piece.shape[0] == most:
+                    largest.append((blocks, piece))
+                else:
+                    state = self._scatter(state, [(blocks, piece)])
+            pieces[:] = waiting
+        for i in range(0, len(largest), SCATTER_GROUPS[-1]):
+            state = self._scatter(state, largest[i : i + SCATTER_GROUPS[-1]])
+        while self._arriving and not self._arriving[0]:
+            self._arriving.popleft()
+            self._written += 1
+        return state
 
-    def _parts(self, n: int) -> list[slice]:
+    def _scatter(self, state: RunnerState, pieces: list[tuple[np.ndarray, jax.Array]]) -> RunnerState:
+        """One program writing `pieces` (one, or a group of the largest padded to SCATTER_GROUPS)."""
+        dropped = np.full(self.buckets[-1], self.num_blocks, np.int32)
+        pieces = pieces + [(dropped, self._padding)] * (bucket(len(pieces), SCATTER_GROUPS) - len(pieces))
+        return self.programs.run(SCATTER_BLOCKS, state=state, blocks=np.concatenate([b for b, _ in pieces]),
+                                 packed=tuple(piece for _, piece in pieces))
+
+    def _runs(self, n: int) -> list[int]:
+        """`n` blocks as copy buckets, largest first: as many of the largest as fit, then the binary
+        digits of the rest, so that no piece holds padding."""
         most = self.buckets[-1]
-        return [slice(i, min(i + most, n)) for i in range(0, n, most)]
+        rest = n % most
+        return [most] * (n // most) + [b for b in reversed(self.buckets) if rest & b]

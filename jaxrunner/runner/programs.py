@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxrunner.lora.slots import write_slot
-from jaxrunner.runner.context import Context
+from jaxrunner.runner.context import SCATTER_GROUPS, Context
 from jaxrunner.runner.plan import StepPlan, warmup_plans
 from jaxrunner.runner.program_cache import ProgramCache, compile_noting_cache_hits
 from jaxrunner.runner.step import (
@@ -141,7 +141,8 @@ def _gather_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
 
 def _scatter_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
     for n in ctx.kv_transfer_buckets:
-        yield dict(state=ctx.state, blocks=np.zeros(n, np.int32), packed=(ctx.packed_block,) * n)
+        for count in SCATTER_GROUPS if n == ctx.kv_transfer_buckets[-1] else (1,):
+            yield dict(state=ctx.state, blocks=np.zeros(n * count, np.int32), packed=(ctx.packed_blocks(n),) * count)
 
 
 def _model_and_kernels(ctx: Context) -> dict:
@@ -187,7 +188,7 @@ PROMPT_LOGPROBS = Kind(
 WRITE_LORA = Kind("write_lora", write_slot, key=lambda a: (), examples=_write_lora_examples, donate=("lora",))
 GATHER_BLOCKS = Kind("gather_blocks", gather_blocks, key=lambda a: (a["blocks"].shape[0],), examples=_gather_examples,
                      fixed=lambda ctx: dict(shards=ctx.model.shards))
-SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks"].shape[0],),
+SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks"].shape[0], len(a["packed"])),
                       examples=_scatter_examples, fixed=lambda ctx: dict(shards=ctx.model.shards), donate=("state",))
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
 KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, WRITE_TOKENS, PROMPT_LOGPROBS, WRITE_LORA,

@@ -108,19 +108,20 @@ def write_token_rows(state: RunnerState, slots: jax.Array, rows: jax.Array) -> R
     return dataclasses.replace(state, token_ids=state.token_ids.at[slots].set(rows, mode="drop"))
 
 
-def gather_blocks(pages: tuple, blocks: jax.Array, *, shards: int) -> tuple:
-    """The blocks as a host tier keeps them: per block, the pages of every leaf of `pages` (the
-    cache's and the draft's: the `(state.kv, state.draft_kv)` a host tier copies) as one array of
-    bytes [shards, bytes], each device's heads in its row, so that a block moves between the tiers
-    in one copy each way whatever the model's layers."""
-    packed = jnp.concatenate([_as_bytes(leaf[blocks], shards) for leaf in jax.tree.leaves(pages)], axis=2)
-    return tuple(packed[i] for i in range(blocks.shape[0]))
+def gather_blocks(pages: tuple, blocks: jax.Array, *, shards: int) -> jax.Array:
+    """The blocks as a host tier keeps them: the pages of every leaf of `pages` (the cache's and the
+    draft's: the `(state.kv, state.draft_kv)` a host tier copies) as one array of bytes [blocks,
+    shards, bytes], each device's heads in its row, so that blocks move between the tiers in one
+    copy each way whatever the model's layers."""
+    return jnp.concatenate([_as_bytes(leaf[blocks], shards) for leaf in jax.tree.leaves(pages)], axis=2)
 
 
 def scatter_blocks(state: RunnerState, blocks: jax.Array, packed: tuple, *, shards: int) -> RunnerState:
-    """`gather_blocks`'s inverse: write the packed blocks into the blocks (a block id past the cache: dropped)."""
+    """`gather_blocks`'s inverse for pieces of packed blocks, one after another: write them into the
+    blocks (a block id past the cache: dropped). Several pieces in one program: the call's host
+    cost grows with the cache's leaves, not with the pieces."""
     leaves, tree = jax.tree.flatten((state.kv, state.draft_kv))
-    rows, at, written = jnp.stack(packed), 0, []
+    rows, at, written = jnp.concatenate(packed) if len(packed) > 1 else packed[0], 0, []
     for leaf in leaves:
         size = math.prod(leaf.shape[1:]) * leaf.dtype.itemsize // shards
         written.append(leaf.at[blocks].set(_from_bytes(rows[:, :, at : at + size], leaf), mode="drop"))
