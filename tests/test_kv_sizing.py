@@ -14,7 +14,8 @@ from jax._src import xla_bridge
 from jaxrunner import Runner, RunnerConfig, platform
 from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.engine.default_model import default_model
-from jaxrunner.engine.engine_args import kv_blocks_that_fit
+from jaxrunner.engine.engine_args import EngineArgs, host_tier_bytes, kv_blocks_that_fit
+from jaxrunner.engine.host_tier import max_loads
 from jaxrunner.runner.programs import DECODE_LOOP
 
 
@@ -46,6 +47,17 @@ def test_blocks_fit_beside_the_weights_and_the_step():
     assert kv_blocks_that_fit(100 * gib, 16 * gib, 2 * gib, 0.9, gib // 8) == 8 * (90 - 16 - 2)
     with pytest.raises(ValueError, match="no room for a KV cache.*raise gpu_memory_utilization"):
         kv_blocks_that_fit(100 * gib, 60 * gib, 31 * gib, 0.9, gib)
+
+
+def test_a_host_tier_sets_aside_device_memory_for_its_copies():
+    """With a host tier, sizing keeps room for the blocks loading at once, as many evicted for them,
+    and a step's own evictions (the gathers its saves copy from); without one, nothing."""
+    cfg = RunnerConfig(max_num_seqs=256, max_num_batched_tokens=8192, block_size=16, num_blocks=1)
+    per_block = 2 << 20  # a block of Llama-3-8B's shape in bf16
+    assert host_tier_bytes(EngineArgs(), cfg, per_block) == 0
+    assert max_loads(per_block) == 1024  # 16k tokens
+    assert host_tier_bytes(EngineArgs(kv_offloading_size=8), cfg, per_block) == (2 * 1024 + 512 + 256) * per_block
+    assert max_loads(1 << 40) == 1  # a block larger than the bound still loads
 
 
 def test_the_engine_gives_jaxs_gpu_pool_most_of_the_device_unless_told(monkeypatch):

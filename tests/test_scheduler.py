@@ -19,11 +19,12 @@ from jaxrunner.step_io import RunnerOutput
 
 
 def make(max_num_seqs=4, budget=8, max_model_len=64, block_size=4, num_blocks=64, caching=True, num_steps=1,
-         windows=(None,), host_blocks=0, load_delay=0):
+         windows=(None,), host_blocks=0, load_delay=0, max_loads=None):
     """`windows`: each KV-cache group's sliding window (None: full attention). `host_blocks`: a host
-    tier's, whose loads arrive `load_delay` steps later than they could."""
+    tier's, whose loads arrive `load_delay` steps later than they could, at most `max_loads` blocks
+    loading at once."""
     runner = FakeRunner(num_blocks, block_size, max_num_seqs, budget, max_model_len, windows, host_blocks, load_delay)
-    host_tier = HostTier(host_blocks, runner.arrived) if host_blocks else None
+    host_tier = HostTier(host_blocks, runner.arrived, max_loads) if host_blocks else None
     scheduler = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, num_steps),
                           BlockManager(num_blocks, block_size, caching, windows, host_tier=host_tier))
     return scheduler, runner
@@ -267,6 +268,34 @@ def test_a_request_waits_for_its_loads_and_one_that_ends_meanwhile_keeps_its_blo
     assert d.output_token_ids == reference_output(d.prompt_token_ids, 2, 32, None)
 
 
+def test_the_blocks_loading_at_once_are_bounded():
+    """With at most two blocks loading at once: a hit of three host blocks loads the first two and
+    computes the rest; a second such hit, while those two are on their way, waits for them; both
+    give the reference's tokens."""
+    scheduler, runner = make(budget=64, num_blocks=12, host_blocks=32, max_model_len=48, load_delay=2, max_loads=2)
+    a, b = req("a", 13, max_tokens=2), req("b", 13, max_tokens=2, first=20)
+    run_all(scheduler, runner, {0: [a], 1: [b]})
+    run_all(scheduler, runner, {0: [req("evict", 44, max_tokens=2, first=40)]})  # pushes both prefixes out
+    tier = scheduler.block_manager.host_tier
+    assert tier.stats.blocks_saved == 6 and tier.room() == 2
+    c = Request("c", a.prompt_token_ids + [5], SamplingParams(), max_tokens=3)
+    d = Request("d", b.prompt_token_ids + [6], SamplingParams(), max_tokens=3)
+    scheduler.add_request(c)
+    scheduler.add_request(d)
+    sched, _ = step(scheduler, runner)
+    assert len(sched.kv_transfers.loads) == 2 and list(scheduler.loading) == ["c"] and tier.room() == 0
+    waited = 0
+    while "c" in scheduler.loading:
+        assert "d" not in scheduler.loading, "d's loads started while c's held the room"
+        sched, _ = step(scheduler, runner)
+        waited += 1
+    assert "d" in scheduler.loading and waited >= 2 and c.num_computed_tokens == 8 + sched.num_scheduled_tokens["c"]  # 8 loaded, the rest computed
+    run_all(scheduler, runner, {})
+    assert c.output_token_ids == reference_output(c.prompt_token_ids, 3, 48, None)
+    assert d.output_token_ids == reference_output(d.prompt_token_ids, 3, 48, None)
+    assert tier.stats.blocks_loaded == 4 and runner.num_loaded == 4
+
+
 @st.composite
 def workloads(draw, offload: bool = False):
     """`offload`: a device cache with little room beyond one request and a host tier, and requests
@@ -287,6 +316,7 @@ def workloads(draw, offload: bool = False):
         "windows": windows,
         "host_blocks": draw(st.sampled_from([1, 3, 16, 64] if offload else [0, 16])),
         "load_delay": draw(st.integers(0, 3)) if offload else 0,
+        "max_loads": draw(st.sampled_from([None, 1, 3])) if offload else None,
     }
     tokens = st.integers(0, VOCAB - 1)
     prefixes = draw(st.lists(st.lists(tokens, min_size=4 * offload, max_size=16), min_size=1, max_size=3))

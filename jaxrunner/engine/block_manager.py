@@ -31,6 +31,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from jaxrunner.engine.host_tier import HostTier
 from jaxrunner.engine.request import Request
@@ -66,8 +67,8 @@ class HostBlock:
     slot: int
 
 
-def needs_load(hits: Sequence[Sequence[int | HostBlock]]) -> bool:
-    return any(isinstance(b, HostBlock) for hit in hits for b in hit)
+def num_loads(hits: Sequence[Sequence[int | HostBlock]]) -> int:
+    return sum(isinstance(b, HostBlock) for hit in hits for b in hit)
 
 
 def blocks_to_hold(num_tokens: int, block_size: int, windows: Sequence[int | None], chunk: int, lookbehind: int = 0) -> int:
@@ -124,9 +125,9 @@ class BlockManager:
         """The request's blocks, one list per group."""
         return tuple(map(list, self.req_blocks.get(req_id, [[] for _ in self.windows])))
 
-    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[int | HostBlock], ...], int]:
+    def get_computed_blocks(self, request: Request, max_loads: int | None = None) -> tuple[tuple[list[int | HostBlock], ...], int]:
         """Cached blocks (per group) that start the request's tokens, and how many tokens they cover;
-        those only the host tier holds are `HostBlock`s.
+        those only the host tier holds are `HostBlock`s, at most `max_loads` of them (a shorter hit).
 
         The last token is always left to compute (the runner needs its logits), so a prompt that is
         entirely cached still runs one token, as in vLLM. A request asking for prompt logprobs gets
@@ -139,12 +140,17 @@ class BlockManager:
             return none, 0
         hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
         runs = [self._cached_runs(g, hashes) for g in range(len(self.windows))]
+        # Per group, how many of the first i blocks only the host tier holds (when the loads are capped).
+        loaded = [list(accumulate(((g, h) not in self.cached for h in hashes), initial=0))
+                  for g in range(len(runs))] if max_loads is not None else []
         n, last = len(hashes), -1
-        while n != last:  # each group's longest hit within the others'; shrinks to a common one
+        while n != last:  # each group's longest hit within the others' (and the loads'); shrinks to a common one
             last = n
             for g, run in enumerate(runs):
                 while n and run[n - 1] < n - self._first_needed(g, n * self.block_size):
                     n -= 1
+            while max_loads is not None and n and self._loads_within(loaded, n) > max_loads:
+                n -= 1
         if not n:
             return none, 0
         hits = tuple(
@@ -153,6 +159,11 @@ class BlockManager:
             for g in range(len(self.windows))
         )
         return hits, n * self.block_size
+
+    def _loads_within(self, loaded: list[list[int]], n: int) -> int:
+        """The host tier's blocks in a hit of `n` blocks (every group's from the first its next token
+        needs), from `loaded`'s per-group counts."""
+        return sum(counts[n] - counts[self._first_needed(g, n * self.block_size)] for g, counts in enumerate(loaded))
 
     def _lookup(self, key: tuple[int, bytes]) -> int | HostBlock:
         """A cached block: the device's, else the host tier's (`_cached_runs` found it in one)."""

@@ -47,6 +47,7 @@ from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.engine.engine_args import (
     EngineArgs,
     conversion_dtype,
+    host_tier_max_loads,
     load_draft_model,
     load_weights,
     open_model,
@@ -152,7 +153,9 @@ class LLMEngine:
         self.startup: dict = {}  # the start-up report: seconds per phase, programs, KV cache size
         self._phases = {"load_seconds": round(loaded - start, 2), "kv_sizing_seconds": round(sized - loaded, 2)}
         self.warm = not warm_up(args)  # every program a step can run compiled (or none to compile ahead)
-        host_tier = HostTier(self.config.num_host_blocks, self.runner.host_kv.arrived) if self.runner.host_kv else None
+        host_tier = HostTier(self.config.num_host_blocks, self.runner.host_kv.arrived,
+                             host_tier_max_loads(self.model_config, self.config, draft[0] if draft else None)
+                             ) if self.runner.host_kv else None
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching,
                                           self.model_config.group_windows,
                                           self.config.speculative.num_speculative_tokens, host_tier)

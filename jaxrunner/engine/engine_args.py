@@ -23,6 +23,7 @@ from jaxrunner.config import LoraConfig, ModelConfig, RunnerConfig, SamplerConfi
 from jaxrunner.engine.block_manager import blocks_to_hold, null_blocks
 from jaxrunner.engine.default_model import default_model, default_model_config
 from jaxrunner.engine.generation_config import check_generation_config
+from jaxrunner.engine.host_tier import in_flight_bytes, max_loads
 from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.checkpoints.dummy import Params, dummy_config, dummy_model, random_params
@@ -289,11 +290,27 @@ def _num_blocks(
         one = request_blocks(model, cfg, cfg.max_model_len)
         return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block))
     activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1), draft).peak_step_bytes()
+    copies = host_tier_bytes(args, cfg, per_block)
     in_use = stats["bytes_in_use"] + lora_bytes(model, cfg)  # the adapter slots come after sizing
-    blocks = kv_blocks_that_fit(stats["bytes_limit"], in_use, activations, args.gpu_memory_utilization, per_block)
+    blocks = kv_blocks_that_fit(stats["bytes_limit"], in_use, activations + copies, args.gpu_memory_utilization,
+                                per_block)
     logger.info("KV cache sizing: %.2f GiB device, %.2f GiB in use (weights), %.2f GiB for the largest step's "
-                "activations: %d blocks", stats["bytes_limit"] / 2**30, stats["bytes_in_use"] / 2**30, activations / 2**30, blocks)
+                "activations, %.2f GiB for the host tier's copies: %d blocks", stats["bytes_limit"] / 2**30,
+                stats["bytes_in_use"] / 2**30, activations / 2**30, copies / 2**30, blocks)
     return blocks
+
+
+def host_tier_bytes(args: EngineArgs, cfg: RunnerConfig, per_block: int) -> int:
+    """Device bytes set aside for the host tier's copies on their way (0 without a tier): the
+    blocks loading at once (`host_tier.max_loads`), those they evict, and a step's own evictions."""
+    if args.kv_offloading_size is None:
+        return 0
+    return in_flight_bytes(per_block, -(-cfg.max_num_batched_tokens // cfg.block_size) + cfg.max_num_seqs)
+
+
+def host_tier_max_loads(model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None) -> int:
+    """The host tier's blocks loading at once, those `host_tier_bytes` sets aside room for."""
+    return max_loads(bytes_per_block(model, cfg, draft))
 
 
 def kv_blocks_that_fit(limit: int, in_use: int, activations: int, utilization: float, per_block: int) -> int:

@@ -12,6 +12,10 @@ runner's count, or by default every batch but this step's). It is the seam for o
 
 A slot saved by this step holds its block only once the runner has copied it, which it does after
 it reads the step's loads; so a key saved in this step is not found until the next one.
+
+Loaded blocks take device memory on their way (the copies, and the cached blocks their fresh
+blocks evict, gathered for their saves), which KV sizing sets aside for `max_loads` blocks in
+flight at once (`in_flight_bytes`); `room()` is what the scheduler may still load.
 """
 
 from __future__ import annotations
@@ -23,6 +27,19 @@ from dataclasses import dataclass
 from jaxrunner.step_io import KVTransfers
 
 Key = tuple[int, bytes]  # (KV-cache group, block hash): the prefix cache's key
+LOADS_IN_FLIGHT_BYTES = 2 << 30  # the device bytes of the blocks that may be loading at once
+
+
+def max_loads(block_bytes: int) -> int:
+    """Blocks of `block_bytes` (every device's share) that may be loading at once."""
+    return max(1, LOADS_IN_FLIGHT_BYTES // block_bytes)
+
+
+def in_flight_bytes(block_bytes: int, step_blocks: int) -> int:
+    """Device bytes a host tier's copies may hold at once: `max_loads` blocks loading, as many
+    evicted for them and gathered for their saves, and the saves of the `step_blocks` a step may
+    allocate for its tokens."""
+    return (2 * max_loads(block_bytes) + step_blocks) * block_bytes
 
 
 @dataclass
@@ -33,12 +50,14 @@ class HostTierStats:
 
 
 class HostTier:
-    def __init__(self, num_slots: int, arrived: Callable[[], int] | None = None) -> None:
+    def __init__(self, num_slots: int, arrived: Callable[[], int] | None = None, max_loads: int | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
+        self.max_loads = max_loads or num_slots  # blocks loading at once
         self.batches = 0  # load batches taken so far
         self.arrived = arrived or (lambda: self.batches)
+        self._in_flight: list[tuple[int, int]] = []  # (batch, blocks) of the batches taken, not arrived
         self.slots: OrderedDict[Key, int] = OrderedDict()  # least recently used first
         self._free = list(range(num_slots - 1, -1, -1))
         self._saves: dict[int, int] = {}  # this step's: host slot -> device block (a later save of a slot wins)
@@ -75,10 +94,18 @@ class HostTier:
         self._loads.append((slot, block))
         self.stats.blocks_loaded += 1
 
+    def room(self) -> int:
+        """Blocks this step may still load: `max_loads` less those on their way and this step's."""
+        arrived = self.arrived()
+        self._in_flight = [(batch, n) for batch, n in self._in_flight if batch > arrived]
+        return self.max_loads - sum(n for _, n in self._in_flight) - len(self._loads)
+
     def take(self) -> KVTransfers:
         """This step's copies, for its SchedulerOutput (its loads are batch `batches`, counted from 1);
         the next step starts with none."""
         transfers = KVTransfers(tuple((block, slot) for slot, block in self._saves.items()), tuple(self._loads))
         self._saves, self._loads = {}, []
-        self.batches += bool(transfers.loads)
+        if transfers.loads:
+            self.batches += 1
+            self._in_flight.append((self.batches, len(transfers.loads)))
         return transfers

@@ -38,7 +38,9 @@ it takes its blocks (the host ones among them copied in from this step on, `Sche
 kv_transfers`) and waits in `loading` until they have arrived (`HostTier.arrived`), so the copy
 overlaps the steps and none waits on it; then it is admitted before the waiting requests. One that
 ends meanwhile keeps its blocks until they have arrived: given to another request sooner, they
-would be overwritten under it.
+would be overwritten under it. The blocks loading at once are bounded (`HostTier.room`, the device
+memory KV sizing sets aside for them): a hit that needs more than are free waits for the loads on
+their way, and one longer than the bound loads its start and computes the rest.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxrunner.engine.block_manager import BlockManager, needs_load
+from jaxrunner.engine.block_manager import BlockManager, num_loads
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.structured_output import fill_bitmask
 from jaxrunner.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput, decode_steps
@@ -203,6 +205,10 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
+            if (room := self._load_room()) is not None and num_loads(hits) > room:
+                if room < self.block_manager.host_tier.max_loads:
+                    break  # other loads hold the device memory a load needs: it waits for them
+                hits, num_hit_tokens = self.block_manager.get_computed_blocks(request, max_loads=room)
             n = min(request.num_tokens - num_hit_tokens, budget)
             if self.block_manager.allocate_slots(request, n + self._lookahead(num_hit_tokens + n), hits) is None:
                 break
@@ -210,7 +216,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
-            if needs_load(hits):  # the batch this step's loads make
+            if num_loads(hits):  # the batch this step's loads make
                 self.loading[request.req_id] = (request, n, self.block_manager.host_tier.batches + 1)
                 continue
             self._admit(request, admitted, num_scheduled, n)
@@ -237,6 +243,10 @@ class Scheduler:
             scheduled[req_id] = (request, request.num_preemptions, num_sampled, num_drafts)
         self._in_flight.append(scheduled)
         return out
+
+    def _load_room(self) -> int | None:
+        """The blocks this step may still load from the host tier (None: no host tier)."""
+        return self.block_manager.host_tier.room() if self.block_manager.host_tier is not None else None
 
     def _loads_arrived(self) -> int:
         """The host tier's load batches that have arrived; the parked blocks they were for go back."""
