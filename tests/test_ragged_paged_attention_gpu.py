@@ -24,6 +24,7 @@ from pallas_kernels import (
     write_kv,
 )
 from kernel_batches import make_batch
+from pallas_kernels.ragged_paged_attention import prefill_config
 
 pytestmark = pytest.mark.gpu
 
@@ -105,6 +106,7 @@ def test_a_short_step_over_a_long_context(dtype):
     ctx = [8192] + [int(c) for c in rng.integers(1, 8192, 15)]
     batch = make_batch(int(rng.integers(1 << 30)), dtype=dtype, head_dim=128, block_size=16, num_kv_heads=8,
                        group=4, num_slots=16, num_tokens=128, max_blocks=520, q_lens=q_lens, ctx_lens=ctx)
+    assert prefill_config(dtype, 128, 4, num_tokens=128, max_context=520 * 16).num_splits > 1  # the form compared
     _compare(batch, dtype, entries=("ragged",), sm_scale=1 / math.sqrt(128))
 
 

@@ -63,7 +63,7 @@ class HostKV:
         # Per step with loads, oldest first: its pieces not written yet, as (device block per row, piece on its way).
         self._arriving: deque[list[tuple[np.ndarray, jax.Array]]] = deque()
         self._written = 0  # steps whose loads are written into the cache
-        self._loads: list[tuple[Piece, np.ndarray]] = []  # this step's: pieces, the device block per row
+        self._loads: list[tuple[np.ndarray, Piece]] = []  # this step's: (device block per row, piece)
         self._saves: list[tuple[list[int], jax.Array]] = []  # this step's: slots, their blocks gathered
         self.stats = HostKVStats()
 
@@ -101,10 +101,10 @@ class HostKV:
         """Steps 1 and 2 above; the state with the arrived pieces written."""
         start = time.perf_counter()
         state = self._write_arrived(state)
-        pieces: dict[int, tuple[Piece, np.ndarray]] = {}
+        pieces: dict[int, tuple[np.ndarray, Piece]] = {}
         for slot, block in transfers.loads:
             piece, row = self.slots[slot]
-            _, blocks = pieces.setdefault(id(piece), (piece, np.full(piece.shape[0], self.num_blocks, np.int32)))
+            blocks, _ = pieces.setdefault(id(piece), (np.full(piece.shape[0], self.num_blocks, np.int32), piece))
             blocks[row] = block  # the rest stay past the cache: the scatter drops them
         self._loads = list(pieces.values())
         saves = np.array(transfers.saves, np.int64).reshape(-1, 2)
@@ -121,9 +121,9 @@ class HostKV:
         """Step 3 above: the copies that `transfer` prepared."""
         start = time.perf_counter()
         if self._loads:
-            loaded = jax.device_put([piece for piece, _ in self._loads], [self.device] * len(self._loads))
-            self._arriving.append([(blocks, piece) for (_, blocks), piece in zip(self._loads, loaded)])
-            self.stats.bytes_loaded += sum(piece.nbytes for piece, _ in self._loads)
+            loaded = jax.device_put([piece for _, piece in self._loads], [self.device] * len(self._loads))
+            self._arriving.append([(blocks, piece) for (blocks, _), piece in zip(self._loads, loaded)])
+            self.stats.bytes_loaded += sum(piece.nbytes for _, piece in self._loads)
             self._loads = []
         if self._saves:
             held = jax.device_put([packed for _, packed in self._saves], [self.host] * len(self._saves))
