@@ -73,23 +73,32 @@ class CachedRequestData:
 @dataclass(frozen=True)
 class KVTransfers:
     """The KV blocks that move between the device's cache and the host tier (`engine.host_tier`)
-    with a step. `saves`: (device block, host slot) pairs, copied to the host before the step
-    writes anything (the blocks were just evicted from the device's prefix cache). `loads`: (host
-    slot, device block) pairs, read from the host now and written into the cache before the first
-    step after they arrived (`HostKV.arrived`), so that the copy overlaps the steps in between."""
+    with a step. `saves`: pieces, each a run of (device block, host slot) pairs that the host
+    holds as one array and copies as one (its length one of the runner's copy buckets), copied to
+    the host before the step writes anything (the blocks were just evicted from the device's prefix
+    cache). `loads`: (host slot, device block) pairs, read from the host now and written into the
+    cache before the first step after they arrived (`HostKV.arrived`), so that the copy overlaps
+    the steps in between. `frees`: host slots whose blocks the tier let go of (after the loads read
+    theirs): a piece's memory goes once none of its slots is held."""
 
-    saves: tuple[tuple[int, int], ...] = ()
+    saves: tuple[tuple[tuple[int, int], ...], ...] = ()
     loads: tuple[tuple[int, int], ...] = ()
+    frees: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("saves", "loads"):
-            pairs = getattr(self, name)
+        if not isinstance(self.saves, (tuple, list)) or not all(
+                isinstance(p, (tuple, list)) and p and all(isinstance(pair, (tuple, list)) for pair in p) for p in self.saves):
+            reject(f"kv_transfers.saves must be pieces (non-empty runs of (block, slot) pairs), got {self.saves!r:.60}")
+        for name, pairs in (("saves", [pair for piece in self.saves for pair in piece]), ("loads", self.loads)):
             if not isinstance(pairs, (tuple, list)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
                 reject(f"kv_transfers.{name} must be (block, slot) pairs, got {pairs!r:.60}")
             _ints(f"kv_transfers.{name}", [i for pair in pairs for i in pair])
+        if not isinstance(self.frees, (tuple, list)):
+            reject(f"kv_transfers.frees must be host slots, got {self.frees!r:.60}")
+        _ints("kv_transfers.frees", self.frees)
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.loads)
+        return bool(self.saves or self.loads or self.frees)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,11 @@ wrong request, shared when it should not be or evicted while in use shows up as 
 With several KV-cache groups (`windows`, one per group) every group's blocks get the tokens, and a
 sliding group's are read back over its window only. With `host_blocks`, it keeps a host tier's pool
 and copies blocks in `runner.host_kv`'s order: the loads that arrived written first, this step's
-loads read, then this step's saves taken; a step's loads arrive `load_delay` steps later than
-they could. A copy in the wrong order, to the wrong block or read too soon shows up as a wrong
-context too.
+loads read, the freed slots dropped, then this step's saves taken; a step's loads arrive
+`load_delay` steps later than they could. A copy in the wrong order, to the wrong block or read
+too soon shows up as a wrong context too, a load from a freed slot fails, and so do a pool whose
+pieces (each held while one of its slots is) hold more than `host_blocks` rows, and loads whose
+pieces on their way hold more than `max_loads` rows.
 """
 
 from __future__ import annotations
@@ -67,10 +69,14 @@ class FakeRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.rows: dict[str, _Row] = {}
-        self.host: list[list[int | None]] = [[None] * block_size for _ in range(host_blocks)]
+        self.host: list[list[int | None] | None] = [None] * host_blocks
         self.load_delay = load_delay
         self.steps = 0
-        self._arriving: deque[tuple[int, list[tuple[int, list[int | None]]]]] = deque()  # (arrival step, pages)
+        self.max_loads = host_blocks
+        self._pieces: dict[int, int] = {}  # host slot -> its piece's number, while held
+        self._rows: list[int] = []  # rows per piece
+        # (arrival step, rows moved, pages)
+        self._arriving: deque[tuple[int, int, list[tuple[int, list[int | None]]]]] = deque()
         self._written = 0
         self.num_loaded = 0
 
@@ -80,14 +86,25 @@ class FakeRunner:
 
     def _transfer(self, transfers: KVTransfers) -> None:
         for _ in range(self.arrived() - self._written):
-            for block, page in self._arriving.popleft()[1]:
+            for block, page in self._arriving.popleft()[2]:
                 self.cache[block] = page
             self._written += 1
         if transfers.loads:
-            self._arriving.append((self.steps + 1 + self.load_delay,
+            assert all(self.host[slot] is not None for slot, _ in transfers.loads), "a load from a freed slot"
+            rows = sum(self._rows[p] for p in {self._pieces[slot] for slot, _ in transfers.loads})
+            self._arriving.append((self.steps + 1 + self.load_delay, rows,
                                    [(block, list(self.host[slot])) for slot, block in transfers.loads]))
-        for block, slot in transfers.saves:
-            self.host[slot] = list(self.cache[block])
+            assert sum(entry[1] for entry in self._arriving) <= self.max_loads, "loads on their way past the bound"
+        for slot in transfers.frees:
+            self.host[slot] = None
+            del self._pieces[slot]
+        for piece in transfers.saves:
+            for block, slot in piece:
+                self.host[slot] = list(self.cache[block])
+                self._pieces[slot] = len(self._rows)
+            self._rows.append(len(piece))
+        held = sum(self._rows[p] for p in set(self._pieces.values()))
+        assert held <= len(self.host), f"the pool's pieces hold {held} rows, more than its {len(self.host)} slots"
         self.num_loaded += len(transfers.loads)
 
     def step(self, sched: SchedulerOutput) -> RunnerOutput:

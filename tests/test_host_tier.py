@@ -30,7 +30,7 @@ def test_saved_blocks_come_back_bitwise_one_step_after_their_load(tp, kv_cache_d
     blocks arrive bitwise in every page (each layer's K and V, split over the devices under TP), in
     the first step after their copies arrived, and nothing else changes. A step's saves are pieces
     of a copy bucket's size (three blocks: two and one); a load moves a piece whole and writes only
-    the rows it asked for."""
+    the rows it asked for. Freed slots let their piece go, and a save fills them again."""
     if jax.device_count() < tp:
         pytest.skip(f"needs {tp} devices (the CPU suite forces them; a one-GPU machine has one)")
     model, params = load_model(DATA / "models" / "tiny-llama", "float32")
@@ -55,7 +55,7 @@ def test_saved_blocks_come_back_bitwise_one_step_after_their_load(tp, kv_cache_d
             time.sleep(0.01)
         return run(state, KVTransfers())
 
-    state = run(state, KVTransfers(saves=((3, 0), (5, 1), (7, 5))))
+    state = run(state, KVTransfers(saves=(((3, 0), (5, 1)), ((7, 5),))))
     pieces = {slot: host.slots[slot] for slot in (0, 1, 5)}
     assert pieces[0][0] is pieces[1][0] is not pieces[5][0] and [pieces[s][1] for s in (0, 1, 5)] == [0, 1, 0]
     assert all(piece.sharding.memory_kind == "pinned_host" and piece.nbytes == n * host.block_bytes
@@ -71,6 +71,10 @@ def test_saved_blocks_come_back_bitwise_one_step_after_their_load(tp, kv_cache_d
         assert np.array_equal(a[others], b[others]), "a row of a piece that no load asked for was written"
     assert host.stats.bytes_saved == 3 * host.block_bytes
     assert host.stats.bytes_loaded == 5 * host.block_bytes  # the two-block piece twice, the one-block once
+    state = run(state, KVTransfers(frees=(0, 1, 5), saves=(((12, 1),),)))
+    assert host.slots[0] is host.slots[5] is None and host.slots[1][1] == 0 and host.slots[1][0] is not pieces[1][0]
+    state = arrive(run(state, KVTransfers(loads=((1, 2),))), 3)
+    assert all(np.array_equal(a[2], b[7]) for a, b in zip(pages(state), before))  # block 12 held block 7's pages
     assert runner.programs.asked <= {p.key for p in runner.programs.warmup_programs()}, "warm-up misses a copy program"
 
 
@@ -94,7 +98,7 @@ def test_a_load_writes_its_largest_pieces_a_group_per_program(monkeypatch):
     def run(state, transfers: KVTransfers):
         return runner.sample_tokens(runner.execute_model(state, SchedulerOutput(kv_transfers=transfers)))[0]
 
-    state = run(state, KVTransfers(saves=tuple((block, block - 1) for block in range(1, 8))))
+    state = run(state, KVTransfers(saves=tuple(tuple((b, b - 1) for b in run) for run in ((1, 2), (3, 4), (5, 6), (7,)))))
     assert len({id(runner.host_kv.slots[slot][0]) for slot in range(7)}) == 4
     asked = set(runner.programs.asked)
     state = run(state, KVTransfers(loads=tuple((slot, slot + 8) for slot in range(7))))
@@ -114,16 +118,22 @@ def test_transfers_outside_the_cache_or_the_pool_are_refused():
     cfg = RunnerConfig(max_model_len=64, block_size=4, num_blocks=16, num_host_blocks=8)
     runner = Runner(model, params, cfg)
     state = runner.init_state()
-    for transfers in (KVTransfers(loads=((8, 1),)), KVTransfers(saves=((16, 0),)), KVTransfers(loads=((-1, 0),))):
+    for transfers in (KVTransfers(loads=((8, 1),)), KVTransfers(saves=(((16, 0),),)), KVTransfers(loads=((-1, 0),))):
         with pytest.raises(ValueError, match="kv_transfers.*outside the 16 device blocks or the 8 host slots"):
             runner.execute_model(state, SchedulerOutput(kv_transfers=transfers))
+    with pytest.raises(ValueError, match="kv_transfers.frees: .* outside the 8 host slots"):
+        runner.execute_model(state, SchedulerOutput(kv_transfers=KVTransfers(frees=(8,))))
+    with pytest.raises(ValueError, match=r"pieces of \[3\] blocks; this runner copies pieces of \[1, 2, 4, 8, 16\]"):
+        runner.execute_model(state, SchedulerOutput(kv_transfers=KVTransfers(saves=(((1, 0), (2, 1), (3, 2)),))))
     with pytest.raises(ValueError, match="kv_transfers.loads: host slot 3 holds no block"):
         runner.execute_model(state, SchedulerOutput(kv_transfers=KVTransfers(loads=((3, 1),))))
     plain = Runner(model, params, dataclasses.replace(cfg, num_host_blocks=0))
     with pytest.raises(ValueError, match="without a host tier"):
-        plain.execute_model(plain.init_state(), SchedulerOutput(kv_transfers=KVTransfers(saves=((1, 0),))))
+        plain.execute_model(plain.init_state(), SchedulerOutput(kv_transfers=KVTransfers(saves=(((1, 0),),))))
     with pytest.raises(ValueError, match=r"kv_transfers.loads must be \(block, slot\) pairs"):
         KVTransfers(loads=((1, 2, 3),))
+    with pytest.raises(ValueError, match=r"kv_transfers.saves must be pieces"):
+        KVTransfers(saves=((1, 0),))
 
 
 def conversations(llm: LLM, users: int = 3, turns: int = 3) -> list[list]:

@@ -55,8 +55,8 @@ def test_a_host_tier_sets_aside_device_memory_for_its_copies():
     cfg = RunnerConfig(max_num_seqs=256, max_num_batched_tokens=8192, block_size=16, num_blocks=1)
     per_block = 2 << 20  # a block of Llama-3-8B's shape in bf16
     assert host_tier_bytes(EngineArgs(), cfg, per_block) == 0
-    assert max_loads(per_block) == 1024  # 16k tokens
-    assert host_tier_bytes(EngineArgs(kv_offloading_size=8), cfg, per_block) == (2 * 1024 + 512 + 256) * per_block
+    assert max_loads(per_block) == 1024 + 64  # 16k tokens, and two pieces of 64 MB
+    assert host_tier_bytes(EngineArgs(kv_offloading_size=8), cfg, per_block) == (2 * 1088 + 512 + 256) * per_block
     assert max_loads(1 << 40) == 1  # a block larger than the bound still loads
 
 

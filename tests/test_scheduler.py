@@ -19,12 +19,13 @@ from jaxrunner.step_io import RunnerOutput
 
 
 def make(max_num_seqs=4, budget=8, max_model_len=64, block_size=4, num_blocks=64, caching=True, num_steps=1,
-         windows=(None,), host_blocks=0, load_delay=0, max_loads=None):
+         windows=(None,), host_blocks=0, load_delay=0, max_loads=None, piece_sizes=(1,)):
     """`windows`: each KV-cache group's sliding window (None: full attention). `host_blocks`: a host
-    tier's, whose loads arrive `load_delay` steps later than they could, at most `max_loads` blocks
-    loading at once."""
+    tier's, whose loads arrive `load_delay` steps later than they could, at most `max_loads` rows
+    loading at once, its saves in pieces of `piece_sizes`."""
     runner = FakeRunner(num_blocks, block_size, max_num_seqs, budget, max_model_len, windows, host_blocks, load_delay)
-    host_tier = HostTier(host_blocks, runner.arrived, max_loads) if host_blocks else None
+    host_tier = HostTier(host_blocks, runner.arrived, max_loads, piece_sizes) if host_blocks else None
+    runner.max_loads = host_tier.max_loads if host_tier else 0
     scheduler = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, num_steps),
                           BlockManager(num_blocks, block_size, caching, windows, host_tier=host_tier))
     return scheduler, runner
@@ -296,6 +297,34 @@ def test_the_blocks_loading_at_once_are_bounded():
     assert tier.stats.blocks_loaded == 4 and runner.num_loaded == 4
 
 
+def test_the_host_pool_evicts_whole_pieces_least_recently_used_first():
+    """The host tier's books: a step's saves become pieces of the copy sizes (five blocks: 4 + 1); a
+    find makes its piece the most recent; a full pool evicts the least recent piece whole and tells
+    the runner its slots (`frees`), so the pieces never hold more than the pool; a load counts its
+    piece's rows, whole, against the room."""
+    tier = HostTier(6, arrived=lambda: 0, max_loads=6, piece_sizes=(1, 2, 4))
+    keys = [(0, bytes([i])) for i in range(8)]
+    for block, key in enumerate(keys[:5]):
+        tier.offload(block, key)
+    first = tier.take()
+    assert [[block for block, _ in piece] for piece in first.saves] == [[0, 1, 2, 3], [4]] and not first.frees
+    slots = {key: slot for piece, run in zip(first.saves, (keys[:4], keys[4:5])) for key, (_, slot) in zip(run, piece)}
+    assert tier.find(keys[0]) == slots[keys[0]]  # the four-block piece is now the most recent
+    tier.offload(5, keys[5])  # the last free slot
+    tier.offload(6, keys[6])  # evicts the one-block piece
+    second = tier.take()
+    assert second.frees == (slots[keys[4]],) and [len(piece) for piece in second.saves] == [2]
+    assert tier.find(keys[4]) is None and tier.find(keys[1]) == slots[keys[1]]
+    tier.offload(7, keys[7])  # evicts the least recent piece: the two saved last step, not the one just found
+    third = tier.take()
+    assert sorted(third.frees) == sorted(slot for _, slot in second.saves[0]) and len(third.saves[0]) == 1
+    assert [tier.find(key) is not None for key in keys] == [True] * 4 + [False] * 3 + [True]
+    assert tier.rows([slots[keys[2]]]) == 4 and tier.room() == 6
+    tier.load(slots[keys[2]], 20)
+    assert tier.rows([slots[keys[0]], slots[keys[3]]]) == 0 and tier.room() == 2  # that piece moves already
+    assert len(tier.take().loads) == 1 and tier.room() == 2  # on its way until it arrives
+
+
 @st.composite
 def workloads(draw, offload: bool = False):
     """`offload`: a device cache with little room beyond one request and a host tier, and requests
@@ -306,6 +335,7 @@ def workloads(draw, offload: bool = False):
     window = draw(st.integers(1, 12))
     windows = draw(st.sampled_from([(None,), (window,), (None, window), (None, window, window)]))
     min_blocks = null_blocks(windows) + blocks_to_hold(max_model_len, block_size, windows, budget)
+    pieces = draw(st.sampled_from([(1,), (1, 2), (1, 2, 4)]))  # the sizes a step's saves are packed in
     config = {
         "block_size": block_size,
         "max_model_len": max_model_len,
@@ -316,7 +346,8 @@ def workloads(draw, offload: bool = False):
         "windows": windows,
         "host_blocks": draw(st.sampled_from([1, 3, 16, 64] if offload else [0, 16])),
         "load_delay": draw(st.integers(0, 3)) if offload else 0,
-        "max_loads": draw(st.sampled_from([None, 1, 3])) if offload else None,
+        "max_loads": draw(st.sampled_from([None, pieces[-1], pieces[-1] + 2])) if offload else None,
+        "piece_sizes": pieces,
     }
     tokens = st.integers(0, VOCAB - 1)
     prefixes = draw(st.lists(st.lists(tokens, min_size=4 * offload, max_size=16), min_size=1, max_size=3))

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 from jaxrunner.engine.host_tier import HostTier
 from jaxrunner.engine.request import Request
@@ -127,7 +127,7 @@ class BlockManager:
 
     def get_computed_blocks(self, request: Request, max_loads: int | None = None) -> tuple[tuple[list[int | HostBlock], ...], int]:
         """Cached blocks (per group) that start the request's tokens, and how many tokens they cover;
-        those only the host tier holds are `HostBlock`s, at most `max_loads` of them (a shorter hit).
+        those only the host tier holds are `HostBlock`s, moving at most `max_loads` rows (a shorter hit).
 
         The last token is always left to compute (the runner needs its logits), so a prompt that is
         entirely cached still runs one token, as in vLLM. A request asking for prompt logprobs gets
@@ -140,17 +140,17 @@ class BlockManager:
             return none, 0
         hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
         runs = [self._cached_runs(g, hashes) for g in range(len(self.windows))]
-        # Per group, how many of the first i blocks only the host tier holds (when the loads are capped).
-        loaded = [list(accumulate(((g, h) not in self.cached for h in hashes), initial=0))
-                  for g in range(len(runs))] if max_loads is not None else []
+        # Per group, the host slot of each block only the host tier holds (when the loads are capped).
+        host = [[None if (g, h) in self.cached else self.host_tier.peek((g, h)) for h in hashes]
+                for g in range(len(runs))] if max_loads is not None else []
         n, last = len(hashes), -1
         while n != last:  # each group's longest hit within the others' (and the loads'); shrinks to a common one
             last = n
             for g, run in enumerate(runs):
                 while n and run[n - 1] < n - self._first_needed(g, n * self.block_size):
                     n -= 1
-            while max_loads is not None and n and self._loads_within(loaded, n) > max_loads:
-                n -= 1
+            if max_loads is not None:
+                n = bisect_right(range(n + 1), False, key=lambda m: self._load_rows(host, m) > max_loads) - 1
         if not n:
             return none, 0
         hits = tuple(
@@ -160,10 +160,15 @@ class BlockManager:
         )
         return hits, n * self.block_size
 
-    def _loads_within(self, loaded: list[list[int]], n: int) -> int:
-        """The host tier's blocks in a hit of `n` blocks (every group's from the first its next token
-        needs), from `loaded`'s per-group counts."""
-        return sum(counts[n] - counts[self._first_needed(g, n * self.block_size)] for g, counts in enumerate(loaded))
+    def _load_rows(self, host: list[list[int | None]], n: int) -> int:
+        """The rows that a hit of `n` blocks loads (every group's from the first its next token
+        needs), from `host`'s slots."""
+        return self.host_tier.rows(slot for g, slots in enumerate(host)
+                                   for slot in slots[self._first_needed(g, n * self.block_size) : n] if slot is not None)
+
+    def load_rows(self, hits: Sequence[Sequence[int | HostBlock]]) -> int:
+        """The rows that the hits' host blocks move (`HostTier.rows`: their pieces, whole)."""
+        return self.host_tier.rows(b.slot for hit in hits for b in hit if isinstance(b, HostBlock))
 
     def _lookup(self, key: tuple[int, bytes]) -> int | HostBlock:
         """A cached block: the device's, else the host tier's (`_cached_runs` found it in one)."""
@@ -275,7 +280,7 @@ class BlockManager:
         return runs
 
     def _in_host(self, key: tuple[int, bytes]) -> bool:
-        return self.host_tier is not None and self.host_tier.find(key) is not None
+        return self.host_tier is not None and self.host_tier.peek(key) is not None
 
     def _pop_free(self) -> int:
         block, _ = self.free_queue.popitem(last=False)

@@ -154,8 +154,8 @@ class LLMEngine:
         self._phases = {"load_seconds": round(loaded - start, 2), "kv_sizing_seconds": round(sized - loaded, 2)}
         self.warm = not warm_up(args)  # every program a step can run compiled (or none to compile ahead)
         host_tier = HostTier(self.config.num_host_blocks, self.runner.host_kv.arrived,
-                             host_tier_max_loads(self.model_config, self.config, draft[0] if draft else None)
-                             ) if self.runner.host_kv else None
+                             host_tier_max_loads(self.model_config, self.config, draft[0] if draft else None),
+                             self.runner.host_kv.buckets) if self.runner.host_kv else None
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching,
                                           self.model_config.group_windows,
                                           self.config.speculative.num_speculative_tokens, host_tier)

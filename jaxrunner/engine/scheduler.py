@@ -39,8 +39,9 @@ kv_transfers`) and waits in `loading` until they have arrived (`HostTier.arrived
 overlaps the steps and none waits on it; then it is admitted before the waiting requests. One that
 ends meanwhile keeps its blocks until they have arrived: given to another request sooner, they
 would be overwritten under it. The blocks loading at once are bounded (`HostTier.room`, the device
-memory KV sizing sets aside for them): a hit that needs more than are free waits for the loads on
-their way, and one longer than the bound loads its start and computes the rest.
+memory KV sizing sets aside for them, counted in the pieces that move): a hit that needs more than
+is free waits for the loads on their way, and one longer than the bound loads its start and
+computes the rest.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
-            if (room := self._load_room()) is not None and num_loads(hits) > room:
+            if (room := self._load_room()) is not None and self.block_manager.load_rows(hits) > room:
                 if room < self.block_manager.host_tier.max_loads:
                     break  # other loads hold the device memory a load needs: it waits for them
                 hits, num_hit_tokens = self.block_manager.get_computed_blocks(request, max_loads=room)

@@ -10,15 +10,15 @@ block is in which slot) are the engine's (`engine.host_tier`); they rely on this
   3. once the step's programs are queued, the loads start their copies to the device (step 1 of a
      later step writes them) and the saves theirs to the host (`start_copies`).
 
-Blocks move in pieces: the blocks a step saves, packed together (`step.gather_blocks`) in runs of
-a copy bucket's size, are one array in pinned host memory each, and a slot is a row of one. A load
-copies every piece that holds one of its slots whole, and the scatter drops the rows no slot of the
-load asked for. Each copy costs the host a start and runs at the link's rate only when large, so a
-prefix saved in a few steps comes back in a few copies, not one per block; they run beside the
-device's programs, and no step waits on one: the scheduler admits a request whose blocks are
-loading once `arrived` counts them. A piece lives while one of its rows is a slot's; the engine
-evicts its slots in LRU order, and the blocks saved together are used together, so they go
-together.
+Blocks move in pieces: the engine packs the blocks a step saves in runs of a copy bucket's size
+(`KVTransfers.saves`), and each, gathered by one program (`step.gather_blocks`), is one array in
+pinned host memory; a slot is a row of one. A load copies every piece that holds one of its slots
+whole, and the scatter drops the rows no slot of the load asked for. Each copy costs the host a
+start and runs at the link's rate only when large, so a prefix saved in a few steps comes back in
+a few copies, not one per block; they run beside the device's programs, and no step waits on one:
+the scheduler admits a request whose blocks are loading once `arrived` counts them. A piece lives
+while one of its rows is a slot's: the engine evicts whole pieces (`KVTransfers.frees`), so the
+pool holds no more than its slots.
 """
 
 from __future__ import annotations
@@ -74,14 +74,19 @@ class HostKV:
         jax.block_until_ready(jax.device_put([self._padding] * count, [self.host] * count))
 
     def check(self, transfers: KVTransfers) -> None:
-        """A ValueError (nothing changed) for a block or slot outside the cache or the pool, or a load
-        from a slot no save filled."""
+        """A ValueError (nothing changed) for a block or slot outside the cache or the pool, a save
+        not in a piece of a copy bucket's size, or a load from a slot no save filled."""
         num_slots = len(self.slots)
-        for name, pairs, (blocks, slots) in (("saves", transfers.saves, (0, 1)), ("loads", transfers.loads, (1, 0))):
+        saves = [pair for piece in transfers.saves for pair in piece]
+        for name, pairs, (blocks, slots) in (("saves", saves, (0, 1)), ("loads", transfers.loads, (1, 0))):
             for pair in pairs:
                 if not (0 <= pair[blocks] < self.num_blocks and 0 <= pair[slots] < num_slots):
                     reject(f"kv_transfers.{name}: {tuple(pair)} is outside the {self.num_blocks} device blocks or "
                            f"the {num_slots} host slots")
+        if not all(0 <= slot < num_slots for slot in transfers.frees):
+            reject(f"kv_transfers.frees: {list(transfers.frees)[:5]} has slots outside the {num_slots} host slots")
+        if sizes := [len(piece) for piece in transfers.saves if len(piece) not in self.buckets]:
+            reject(f"kv_transfers.saves: pieces of {sizes} blocks; this runner copies pieces of {list(self.buckets)}")
         for slot, _ in transfers.loads:
             if self.slots[slot] is None:
                 reject(f"kv_transfers.loads: host slot {slot} holds no block (no earlier step saved one into it)")
@@ -107,13 +112,12 @@ class HostKV:
             blocks, _ = pieces.setdefault(id(piece), (np.full(piece.shape[0], self.num_blocks, np.int32), piece))
             blocks[row] = block  # the rest stay past the cache: the scatter drops them
         self._loads = list(pieces.values())
-        saves = np.array(transfers.saves, np.int64).reshape(-1, 2)
-        at = 0
-        for n in self._runs(len(saves)):
-            blocks, slots = saves[at : at + n].T
-            packed = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=blocks.astype(np.int32))
+        for slot in transfers.frees:
+            self.slots[slot] = None
+        for piece in transfers.saves:
+            blocks, slots = np.array(piece, np.int32).T
+            packed = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=blocks)
             self._saves.append((slots.tolist(), packed))
-            at += n
         self.stats.seconds += time.perf_counter() - start
         return state
 
@@ -161,10 +165,3 @@ class HostKV:
         pieces = pieces + [(dropped, self._padding)] * (bucket(len(pieces), SCATTER_GROUPS) - len(pieces))
         return self.programs.run(SCATTER_BLOCKS, state=state, blocks=np.concatenate([b for b, _ in pieces]),
                                  packed=tuple(piece for _, piece in pieces))
-
-    def _runs(self, n: int) -> list[int]:
-        """`n` blocks as copy buckets, largest first: as many of the largest as fit, then the binary
-        digits of the rest, so that no piece holds padding."""
-        most = self.buckets[-1]
-        rest = n % most
-        return [most] * (n // most) + [b for b in reversed(self.buckets) if rest & b]
