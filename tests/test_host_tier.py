@@ -153,20 +153,31 @@ def conversations(llm: LLM, users: int = 3, turns: int = 3) -> list[list]:
 
 @pytest.mark.parametrize("name, kv_cache_dtype, num_blocks, warm", [("tiny-llama", "auto", 10, True),
                                                                      ("tiny-gemma3", "fp8", 14, False)])
-def test_a_multi_turn_workload_gives_the_same_tokens_with_the_tier(name, kv_cache_dtype, num_blocks, warm):
+def test_a_multi_turn_workload_gives_the_same_tokens_with_the_tier(name, kv_cache_dtype, num_blocks, warm, monkeypatch):
     """A device cache that holds one conversation (of three) at a time: without the tier each turn
     computes its conversation again, with it the prefix comes back from host memory (every
     KV-cache group: Gemma-3's sliding and full layers; fp8 pages). Same tokens, logprobs within
     float noise (recomputed KV is not bitwise the KV computed before). `warm`: the programs
     compiled first, as on a GPU (the copies then run warm-up's executables, which take their
-    arguments exactly as they were compiled)."""
+    arguments exactly as they were compiled). Gemma-3's runs once more with two blocks loading at
+    once: each prefix comes back a block of each group per part, all of it, as without the bound."""
+    from jaxrunner.engine import engine
+    from jaxrunner.runner import context
+
     args = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_batched_tokens=32,
                 num_gpu_blocks_override=num_blocks, kv_cache_dtype=kv_cache_dtype, enforce_eager=not warm)
     runs = {}
-    for tier in (None, 0.01):
-        with LLM(str(DATA / "models" / name), kv_offloading_size=tier, **args) as llm:
+    for tier in (None, 0.01) if warm else (None, 0.01, "two blocks at once"):
+        if tier == "two blocks at once":
+            monkeypatch.setattr(context, "KV_TRANSFER_BYTES", 1)  # pieces of one block
+            monkeypatch.setattr(engine, "host_tier_max_loads", lambda *_: 2)
+        with LLM(str(DATA / "models" / name), kv_offloading_size=None if tier is None else 0.01, **args) as llm:
             runs[tier] = conversations(llm), llm.llm_engine.stats()
     (plain, plain_stats), (tiered, stats) = runs[None], runs[0.01]
+    if not warm:
+        bounded, bounded_stats = runs["two blocks at once"]
+        assert [o.token_ids for o in bounded] == [o.token_ids for o in plain]
+        assert bounded_stats.kv_offload_hits == stats.kv_offload_hits
     assert [o.token_ids for o in tiered] == [o.token_ids for o in plain]
     for a, b in zip(tiered, plain):
         for rows_a, rows_b in zip(a.logprobs, b.logprobs):

@@ -270,9 +270,9 @@ def test_a_request_waits_for_its_loads_and_one_that_ends_meanwhile_keeps_its_blo
 
 
 def test_the_blocks_loading_at_once_are_bounded():
-    """With at most two blocks loading at once: a hit of three host blocks loads the first two and
-    computes the rest; a second such hit, while those two are on their way, waits for them; both
-    give the reference's tokens."""
+    """With at most two blocks loading at once: a hit of three host blocks loads the first two, then
+    the third once they have arrived, and computes only what no cache holds; a second such hit, while
+    the first's loads are on their way, waits for them; both give the reference's tokens."""
     scheduler, runner = make(budget=64, num_blocks=12, host_blocks=32, max_model_len=48, load_delay=2, max_loads=2)
     a, b = req("a", 13, max_tokens=2), req("b", 13, max_tokens=2, first=20)
     run_all(scheduler, runner, {0: [a], 1: [b]})
@@ -285,16 +285,18 @@ def test_the_blocks_loading_at_once_are_bounded():
     scheduler.add_request(d)
     sched, _ = step(scheduler, runner)
     assert len(sched.kv_transfers.loads) == 2 and list(scheduler.loading) == ["c"] and tier.room() == 0
-    waited = 0
+    loads = []
     while "c" in scheduler.loading:
         assert "d" not in scheduler.loading, "d's loads started while c's held the room"
         sched, _ = step(scheduler, runner)
-        waited += 1
-    assert "d" in scheduler.loading and waited >= 2 and c.num_computed_tokens == 8 + sched.num_scheduled_tokens["c"]  # 8 loaded, the rest computed
+        loads.append(len(sched.kv_transfers.loads))
+    assert loads == [0, 0, 1, 0, 0, 2]  # c's third block once its two arrived; d's two as c starts running
+    assert "d" in scheduler.loading and c.num_computed_tokens == 12 + sched.num_scheduled_tokens["c"]
+    assert sched.num_scheduled_tokens["c"] == 2 and c.num_cached_tokens == 12  # 12 loaded, 2 computed
     run_all(scheduler, runner, {})
     assert c.output_token_ids == reference_output(c.prompt_token_ids, 3, 48, None)
     assert d.output_token_ids == reference_output(d.prompt_token_ids, 3, 48, None)
-    assert tier.stats.blocks_loaded == 4 and runner.num_loaded == 4
+    assert tier.stats.blocks_loaded == 6 and runner.num_loaded == 6 and tier.stats.hits == 24
 
 
 def test_the_host_pool_evicts_whole_pieces_least_recently_used_first():

@@ -125,9 +125,12 @@ class BlockManager:
         """The request's blocks, one list per group."""
         return tuple(map(list, self.req_blocks.get(req_id, [[] for _ in self.windows])))
 
-    def get_computed_blocks(self, request: Request, max_loads: int | None = None) -> tuple[tuple[list[int | HostBlock], ...], int]:
+    def get_computed_blocks(self, request: Request, max_loads: int | None = None,
+                            start: int = 0) -> tuple[tuple[list[int | HostBlock], ...], int]:
         """Cached blocks (per group) that start the request's tokens, and how many tokens they cover;
         those only the host tier holds are `HostBlock`s, moving at most `max_loads` rows (a shorter hit).
+        `start`: the blocks of a hit that the request holds already (one the bound on loads cut):
+        the blocks after them, and the tokens that the whole hit covers.
 
         The last token is always left to compute (the runner needs its logits), so a prompt that is
         entirely cached still runs one token, as in vLLM. A request asking for prompt logprobs gets
@@ -147,24 +150,28 @@ class BlockManager:
         while n != last:  # each group's longest hit within the others' (and the loads'); shrinks to a common one
             last = n
             for g, run in enumerate(runs):
-                while n and run[n - 1] < n - self._first_needed(g, n * self.block_size):
+                while n > start and run[n - 1] < n - self._first_held(g, n, start):
                     n -= 1
             if max_loads is not None:
-                n = bisect_right(range(n + 1), False, key=lambda m: self._load_rows(host, m) > max_loads) - 1
-        if not n:
-            return none, 0
+                n = bisect_right(range(n + 1), False, lo=start,
+                                 key=lambda m: self._load_rows(host, m, start) > max_loads) - 1
+        if n <= start:
+            return none, start * self.block_size
         hits = tuple(
-            [NULL_BLOCK] * (first := self._first_needed(g, n * self.block_size))
+            [NULL_BLOCK] * ((first := self._first_held(g, n, start)) - start)
             + [self._lookup((g, h)) for h in hashes[first:n]]
             for g in range(len(self.windows))
         )
         return hits, n * self.block_size
 
-    def _load_rows(self, host: list[list[int | None]], n: int) -> int:
-        """The rows that a hit of `n` blocks loads (every group's from the first its next token
-        needs), from `host`'s slots."""
+    def _first_held(self, group: int, n: int, start: int) -> int:
+        """The first block of a hit of `n` blocks past `start` that the group's next token reads."""
+        return max(start, self._first_needed(group, n * self.block_size))
+
+    def _load_rows(self, host: list[list[int | None]], n: int, start: int) -> int:
+        """The rows that a hit of `n` blocks past `start` loads, from `host`'s slots."""
         return self.host_tier.rows(slot for g, slots in enumerate(host)
-                                   for slot in slots[self._first_needed(g, n * self.block_size) : n] if slot is not None)
+                                   for slot in slots[self._first_held(g, n, start) : n] if slot is not None)
 
     def load_rows(self, hits: Sequence[Sequence[int | HostBlock]]) -> int:
         """The rows that the hits' host blocks move (`HostTier.rows`: their pieces, whole)."""
@@ -182,7 +189,8 @@ class BlockManager:
         or None (nothing changed but the release below) when the free queue cannot supply them.
 
         `computed_blocks` are prefix-cache hits from `get_computed_blocks`, for a request that holds
-        no blocks yet; they come before the tokens counted in `request.num_computed_tokens`. Each
+        no blocks yet, or the rest of a hit that the bound on loads cut (after the blocks the request
+        holds); they come after the tokens counted in `request.num_computed_tokens`. Each
         `HostBlock` among them takes a fresh block that the host tier loads; the request's blocks are
         then registered by its next allocation, once they have arrived. The sliding groups first
         give back the blocks their windows no longer reach.
@@ -212,9 +220,10 @@ class BlockManager:
         fresh = tuple([self._pop_free() for _ in range(n)] for n in needed)
         for held, more in zip(blocks, fresh):
             held += more
-        if first_allocation and self.enable_caching and request.num_preemptions == 0:
-            self.stats.requests += 1
-            self.stats.queries += request.num_tokens
+        if self.enable_caching and request.num_preemptions == 0:
+            if first_allocation:
+                self.stats.requests += 1
+                self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_tokens
             if num_loads:
                 loaded = {i for hit in hits for i, b in enumerate(hit) if isinstance(b, HostBlock)}

@@ -40,8 +40,8 @@ overlaps the steps and none waits on it; then it is admitted before the waiting 
 ends meanwhile keeps its blocks until they have arrived: given to another request sooner, they
 would be overwritten under it. The blocks loading at once are bounded (`HostTier.room`, the device
 memory KV sizing sets aside for them, counted in the pieces that move): a hit that needs more than
-is free waits for the loads on their way, and one longer than the bound loads its start and
-computes the rest.
+is free waits for the loads on their way, and one longer than the bound loads in parts, each once
+the part before has arrived, computing only what neither cache holds by then.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxrunner.engine.block_manager import BlockManager, num_loads
+from jaxrunner.engine.block_manager import BlockManager, HostBlock, num_loads
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.structured_output import fill_bitmask
 from jaxrunner.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput, decode_steps
@@ -123,8 +123,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # By id: the requests holding their blocks while the host tier's arrive, the tokens their
-        # blocks were taken for (admitted with as many or fewer, they need no more blocks), and the
-        # load batch that brings them; and those of them that ended meanwhile, with their batch.
+        # blocks were taken for (admitted with as many or fewer, they need no more blocks; 0 where
+        # the bound on loads cut the hit, which continues once they have arrived), and the load batch
+        # that brings them; and those of them that ended meanwhile, with their batch.
         self.loading: dict[str, tuple[Request, int, int]] = {}
         self._ended_loading: list[tuple[int, int]] = []  # (`BlockManager.park` token, batch)
         self.num_preemptions = 0
@@ -205,12 +206,10 @@ class Scheduler:
             if not self._adapter_fits(request):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
-            if (room := self._load_room()) is not None and self.block_manager.load_rows(hits) > room:
-                if room < self.block_manager.host_tier.max_loads:
-                    break  # other loads hold the device memory a load needs: it waits for them
-                hits, num_hit_tokens = self.block_manager.get_computed_blocks(request, max_loads=room)
-            n = min(request.num_tokens - num_hit_tokens, budget)
+            if (hit := self._hit(request)) is None:
+                break  # other loads hold the device memory its loads need: it waits for them
+            hits, num_hit_tokens, cut = hit
+            n = 0 if cut else min(request.num_tokens - num_hit_tokens, budget)
             if self.block_manager.allocate_slots(request, n + self._lookahead(num_hit_tokens + n), hits) is None:
                 break
             self.waiting.popleft()
@@ -261,8 +260,14 @@ class Scheduler:
         """Admit the loading requests whose blocks have arrived, in order, within the budget (they
         hold their blocks); the budget left."""
         for request, allocated, batch in list(self.loading.values()):
+            if batch > arrived:
+                break
+            if not allocated:  # the bound on loads cut its hit
+                if self._continue_hit(request):
+                    break
+                allocated = request.num_tokens - request.num_computed_tokens
             n = min(allocated, budget)
-            if batch > arrived or not n:
+            if not n:
                 break
             if self.block_manager.allocate_slots(request, n + self._lookahead(request.num_computed_tokens + n)) is None:
                 break
@@ -270,6 +275,35 @@ class Scheduler:
             self._admit(request, admitted, num_scheduled, n)
             budget -= n
         return budget
+
+    def _hit(self, request: Request, start: int = 0) -> tuple[tuple[list[int | HostBlock], ...], int, bool] | None:
+        """The request's prefix-cache hit past the first `start` blocks (`get_computed_blocks`), and
+        whether the bound on loads cut it; None while other loads hold the room it needs."""
+        bm = self.block_manager
+        hits, num_hit_tokens = bm.get_computed_blocks(request, start=start)
+        if (room := self._load_room()) is None or bm.load_rows(hits) <= room:
+            return hits, num_hit_tokens, False
+        if room < bm.host_tier.max_loads:
+            return None
+        hits, num_hit_tokens = bm.get_computed_blocks(request, max_loads=room, start=start)
+        return hits, num_hit_tokens, num_loads(hits) > 0
+
+    def _continue_hit(self, request: Request) -> bool:
+        """Take the next part of a loading request's hit that the bound on loads cut, now that the
+        part before has arrived: True while it loads (or waits for the room to), False once the
+        caches hold no more of it (the rest is computed)."""
+        if (hit := self._hit(request, request.num_computed_tokens // self.block_manager.block_size)) is None:
+            return True
+        hits, num_hit_tokens, _ = hit
+        if num_hit_tokens == request.num_computed_tokens or self.block_manager.allocate_slots(request, 0, hits) is None:
+            return False
+        if request.num_cached_tokens == request.num_computed_tokens:  # the first admission's hit, continued
+            request.num_cached_tokens = num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens
+        if not num_loads(hits):
+            return False
+        self.loading[request.req_id] = (request, 0, self.block_manager.host_tier.batches + 1)
+        return True
 
     def _admit(self, request: Request, admitted: list[Request], num_scheduled: dict[str, int], n: int) -> None:
         """Start running a request that holds its blocks, with `n` tokens this step."""
