@@ -87,11 +87,14 @@ class HostTier:
     def find(self, key: Key) -> int | None:
         """The slot holding `key`'s block, if the host has it (and not only from this step); its
         piece is used again last."""
-        slot = self.slots.get(key)
-        if slot is None or slot in self._saves:
-            return None
-        self._pieces.move_to_end(self._piece_of[slot])
+        if (slot := self.peek(key)) is not None:
+            self._pieces.move_to_end(self._piece_of[slot])
         return slot
+
+    def peek(self, key: Key) -> int | None:
+        """`find` without using the block."""
+        slot = self.slots.get(key)
+        return None if slot is None or slot in self._saves else slot
 
     def offload(self, block: int, key: Key) -> None:
         """Keep the device block `block`, evicted from the device under `key`, in a host slot (when
@@ -139,11 +142,6 @@ class HostTier:
         if slot in self._piece_of:
             return self._piece_of[slot], len(self._pieces[self._piece_of[slot]])
         return self._evicted[slot]
-
-    def peek(self, key: Key) -> int | None:
-        """`find` without using the block."""
-        slot = self.slots.get(key)
-        return None if slot is None or slot in self._saves else slot
 
     def room(self) -> int:
         """Rows this step may still load: `max_loads` less those on their way and this step's."""

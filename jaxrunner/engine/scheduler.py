@@ -270,6 +270,9 @@ class Scheduler:
             if not n:
                 break
             if self.block_manager.allocate_slots(request, n + self._lookahead(request.num_computed_tokens + n)) is None:
+                newest = next(reversed(self.loading.values()))[0]
+                if not self.running and newest is not request:  # a cut hit takes its blocks now: make room
+                    self._preempt(newest)
                 break
             del self.loading[request.req_id]
             self._admit(request, admitted, num_scheduled, n)
