@@ -20,6 +20,7 @@ import jax
 from jaxrunner import Runner, RunnerConfig
 from jaxrunner.models.llama import init_params
 from jaxrunner.checkpoints.dummy import SHAPES, shape
+from jaxrunner.models.tensors import MODEL_AXIS
 from jaxrunner.platform import H200
 
 
@@ -34,7 +35,10 @@ def main() -> None:
     config = RunnerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=args.max_model_len,
                           num_blocks=64, dtype="bfloat16", num_scheduler_steps=args.num_scheduler_steps)
     seconds = collections.defaultdict(list)
-    with mock.patch("jaxrunner.platform.on_gpu", return_value=True), jax.sharding.use_abstract_mesh(H200):
+    # An H200 whose one axis is the one the programs' sharding constraints name.
+    gpu = jax.sharding.AbstractMesh((1,), (MODEL_AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                                    abstract_device=H200.abstract_device)
+    with mock.patch("jaxrunner.platform.on_gpu", return_value=True), jax.sharding.use_abstract_mesh(gpu):
         runner = Runner(model, jax.eval_shape(lambda: init_params(model, jax.random.key(0), "bfloat16")), config)
         for program in runner.programs.warmup_programs():
             start = time.perf_counter()
