@@ -299,6 +299,69 @@ def test_the_blocks_loading_at_once_are_bounded():
     assert tier.stats.blocks_loaded == 6 and runner.num_loaded == 6 and tier.stats.hits == 24
 
 
+def evict_to_host(scheduler, runner, *prompts):
+    """Compute `prompts` (caching their blocks), then push them out to the host tier."""
+    for i, prompt in enumerate(prompts):
+        run_all(scheduler, runner, {0: [Request(f"cached{i}", prompt, SamplingParams(), max_tokens=1)]})
+    for i in range(2):
+        other = [30 + i + j % (9 - 2 * i) for j in range(40)]
+        run_all(scheduler, runner, {0: [Request(f"evicts{i}", other, SamplingParams(), max_tokens=1)]})
+
+
+def test_a_cut_hit_whose_next_part_finds_no_blocks_computes_from_where_it_is():
+    """A hit cut by the bound whose next part cannot get its blocks (a running request holds them)
+    computes the rest, its sliding group still holding the window it reads (the next part's
+    allocation gives nothing back before it succeeds)."""
+    scheduler, runner = make(windows=(None, 4), block_size=4, max_loads=4, host_blocks=64, budget=2, num_blocks=15,
+                             max_model_len=44)
+    prefix = list(range(24))
+    run_all(scheduler, runner, {0: [Request("x", prefix + [40], SamplingParams(), max_tokens=1)]})
+    run_all(scheduler, runner, {0: [Request("y", [30 + i % 7 for i in range(40)], SamplingParams(), max_tokens=1)]})
+    running = Request("running", [45 + i % 3 for i in range(20)], SamplingParams(), max_tokens=40)
+    scheduler.add_request(running)
+    while running.num_computed_tokens < 20:
+        step(scheduler, runner)
+    a = Request("a", prefix + [41], SamplingParams(), max_tokens=3)
+    scheduler.add_request(a)
+    step(scheduler, runner)
+    sched, _ = step(scheduler, runner)  # the next part needs four blocks, two are free: a computes on
+    assert a.num_computed_tokens == 12 + sched.num_scheduled_tokens["a"]
+    assert 0 not in scheduler.block_manager.block_ids("a")[1][-2:], "a window block was given back"
+    run_all(scheduler, runner, {})  # the fake runner reads every window back
+    assert a.output_token_ids == reference_output(a.prompt_token_ids, 3, 44, None)
+
+
+def test_room_made_for_a_cut_hit_is_not_taken_by_the_request_that_gave_it():
+    """A cut hit that cannot take its blocks at admission, with nothing running, makes the newest
+    loading request give its blocks back; that one waits (it is not admitted again in the same
+    step, which would take them back each step for ever)."""
+    scheduler, runner = make(block_size=4, max_loads=3, host_blocks=64, budget=32, num_blocks=11, max_model_len=44)
+    first, second = list(range(16)), [20 + i for i in range(8)]
+    evict_to_host(scheduler, runner, first + [49], second + [49])
+    a = Request("a", first + [40 + i % 5 for i in range(20)], SamplingParams(), max_tokens=2)
+    b = Request("b", second + [45], SamplingParams(), max_tokens=2)
+    run_all(scheduler, runner, {0: [a, b]}, max_steps=200)
+    assert scheduler.num_preemptions <= 2
+    for r in (a, b):
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, 2, 44, None)
+
+
+def test_a_cut_hit_takes_no_lookahead_blocks_before_its_next_part():
+    """With a draft model's lookahead, a cut hit takes only its part's blocks: the next part's go
+    right after them (a lookahead block between would leave a block unwritten in the context)."""
+    runner = FakeRunner(12, 4, 4, 32, 48, (None,), 64, 0)
+    runner.max_loads = 2
+    scheduler = Scheduler(SchedulerConfig(4, 32, 48, num_lookahead_tokens=2),
+                          BlockManager(12, 4, True, (None,), host_tier=HostTier(64, runner.arrived, 2)))
+    evict_to_host(scheduler, runner, list(range(16)) + [49])
+    a = Request("a", list(range(16)) + [48], SamplingParams(), max_tokens=3)
+    scheduler.add_request(a)
+    step(scheduler, runner)
+    assert a.num_computed_tokens == 8 and len(scheduler.block_manager.block_ids("a")[0]) == 2
+    run_all(scheduler, runner, {})
+    assert a.output_token_ids == reference_output(a.prompt_token_ids, 3, 48, None)
+
+
 def test_the_host_pool_evicts_whole_pieces_least_recently_used_first():
     """The host tier's books: a step's saves become pieces of the copy sizes (five blocks: 4 + 1); a
     find makes its piece the most recent; a full pool evicts the least recent piece whole and tells

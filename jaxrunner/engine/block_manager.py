@@ -46,7 +46,8 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 @dataclass
 class PrefixCacheStats:
-    """Counted once per request, at its first admission (resumed requests would inflate hits)."""
+    """Counted once per request, at its first admission and the parts of its hit that follow it
+    (resumed requests would inflate hits)."""
 
     requests: int = 0
     queries: int = 0  # prompt tokens looked up
@@ -186,14 +187,16 @@ class BlockManager:
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Sequence[int | HostBlock]] = ()
     ) -> tuple[list[int], ...] | None:
         """Give the request blocks for `num_new_tokens` more tokens; the fresh block ids per group,
-        or None (nothing changed but the release below) when the free queue cannot supply them.
+        or None (nothing changed but the first release below) when the free queue cannot supply them.
 
         `computed_blocks` are prefix-cache hits from `get_computed_blocks`, for a request that holds
         no blocks yet, or the rest of a hit that the bound on loads cut (after the blocks the request
         holds); they come after the tokens counted in `request.num_computed_tokens`. Each
         `HostBlock` among them takes a fresh block that the host tier loads; the request's blocks are
-        then registered by its next allocation, once they have arrived. The sliding groups first
-        give back the blocks their windows no longer reach.
+        then registered by its next allocation, once they have arrived. The sliding groups give back
+        the blocks their windows no longer reach: those behind the computed tokens' window first, those
+        behind the hit's only once the hit's blocks are the request's (a request whose next part of a
+        hit cannot be taken computes from where it is, and needs that window).
         """
         blocks = self.req_blocks.setdefault(request.req_id, [[] for _ in self.windows])
         first_allocation = not blocks[0]
@@ -202,7 +205,7 @@ class BlockManager:
         start = request.num_computed_tokens + num_hit_tokens
         total = start + num_new_tokens
         for g in range(len(self.windows)):
-            self._release_behind(blocks[g], self._first_needed(g, start))
+            self._release_behind(blocks[g], self._first_needed(g, request.num_computed_tokens))
         length = -(-total // self.block_size)
         needed = [max(length - len(held) - len(hit), 0) for held, hit in zip(blocks, hits)]
         on_device = [b for hit in hits for b in hit if not isinstance(b, HostBlock) and b >= self.num_reserved]
@@ -220,6 +223,8 @@ class BlockManager:
         fresh = tuple([self._pop_free() for _ in range(n)] for n in needed)
         for held, more in zip(blocks, fresh):
             held += more
+        for g in range(len(self.windows)):
+            self._release_behind(blocks[g], self._first_needed(g, start))
         if self.enable_caching and request.num_preemptions == 0:
             if first_allocation:
                 self.stats.requests += 1

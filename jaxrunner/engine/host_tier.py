@@ -8,7 +8,8 @@ are the runner's (`runner.host_kv`), told by each step's `KVTransfers`, which `t
 step's loads are one batch; `arrived()` counts the batches (in order) whose blocks are written by
 the step the scheduler is about to make, so a request reads its blocks no sooner (the runner's
 count, or by default every batch but this step's). It is the seam for other tiers (another
-process, a disk): the same five calls.
+process, a disk): the same calls (`find`/`peek`, `offload`, `load`, `take`, `arrived`, and `rows`
+and `room` for the bound on loads).
 
 The pool's unit is a piece: the blocks a step saves are packed in runs of `piece_sizes` (the
 runner's copy buckets, largest first), and the host holds and copies each run as one array. So

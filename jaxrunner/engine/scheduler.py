@@ -158,7 +158,7 @@ class Scheduler:
         new_blocks: dict[str, tuple[list[int], ...]] = {}  # per KV-cache group
         preempted: list[Request] = []
         drafts: dict[str, list[int]] = {}
-        waited = False  # a running request waits for blocks that loads hold: no admission either
+        waited = False  # a running or loaded request waits for blocks (or room to load): no admission either
         arrived = self._loads_arrived()
 
         i = 0
@@ -198,7 +198,8 @@ class Scheduler:
             i += 1
 
         admitted: list[Request] = []
-        budget = self._admit_loaded(arrived, budget, admitted, num_scheduled)
+        budget, held = self._admit_loaded(arrived, budget, admitted, num_scheduled)
+        waited = waited or held
         skipped: list[Request] = []  # their adapter would exceed max_loras: they keep their place in the queue
         while (self.waiting and budget > 0 and not preempted and not waited
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
@@ -210,7 +211,8 @@ class Scheduler:
                 break  # other loads hold the device memory its loads need: it waits for them
             hits, num_hit_tokens, cut = hit
             n = 0 if cut else min(request.num_tokens - num_hit_tokens, budget)
-            if self.block_manager.allocate_slots(request, n + self._lookahead(num_hit_tokens + n), hits) is None:
+            lookahead = 0 if cut else self._lookahead(num_hit_tokens + n)  # a cut hit's next part comes first
+            if self.block_manager.allocate_slots(request, n + lookahead, hits) is None:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
@@ -245,7 +247,7 @@ class Scheduler:
         return out
 
     def _load_room(self) -> int | None:
-        """The blocks this step may still load from the host tier (None: no host tier)."""
+        """The rows this step may still load from the host tier (None: no host tier)."""
         return self.block_manager.host_tier.room() if self.block_manager.host_tier is not None else None
 
     def _loads_arrived(self) -> int:
@@ -256,15 +258,17 @@ class Scheduler:
             self.block_manager.unpark(token)
         return arrived
 
-    def _admit_loaded(self, arrived: int, budget: int, admitted: list[Request], num_scheduled: dict[str, int]) -> int:
+    def _admit_loaded(self, arrived: int, budget: int, admitted: list[Request],
+                      num_scheduled: dict[str, int]) -> tuple[int, bool]:
         """Admit the loading requests whose blocks have arrived, in order, within the budget (they
-        hold their blocks); the budget left."""
+        hold their blocks); the budget left, and whether one of them waits for blocks or for the
+        room to load the next part of its hit (then no waiting request is admitted before it)."""
         for request, allocated, batch in list(self.loading.values()):
             if batch > arrived:
                 break
             if not allocated:  # the bound on loads cut its hit
-                if self._continue_hit(request):
-                    break
+                if (more := self._continue_hit(request)) is not False:
+                    return budget, more is None
                 allocated = request.num_tokens - request.num_computed_tokens
             n = min(allocated, budget)
             if not n:
@@ -273,11 +277,11 @@ class Scheduler:
                 newest = next(reversed(self.loading.values()))[0]
                 if not self.running and newest is not request:  # a cut hit takes its blocks now: make room
                     self._preempt(newest)
-                break
+                return budget, True
             del self.loading[request.req_id]
             self._admit(request, admitted, num_scheduled, n)
             budget -= n
-        return budget
+        return budget, False
 
     def _hit(self, request: Request, start: int = 0) -> tuple[tuple[list[int | HostBlock], ...], int, bool] | None:
         """The request's prefix-cache hit past the first `start` blocks (`get_computed_blocks`), and
@@ -291,16 +295,16 @@ class Scheduler:
         hits, num_hit_tokens = bm.get_computed_blocks(request, max_loads=room, start=start)
         return hits, num_hit_tokens, num_loads(hits) > 0
 
-    def _continue_hit(self, request: Request) -> bool:
+    def _continue_hit(self, request: Request) -> bool | None:
         """Take the next part of a loading request's hit that the bound on loads cut, now that the
-        part before has arrived: True while it loads (or waits for the room to), False once the
-        caches hold no more of it (the rest is computed)."""
+        part before has arrived: True while it loads, None while it waits for the room to, False
+        once the caches hold no more of it or the blocks for it are not free (the rest is computed)."""
         if (hit := self._hit(request, request.num_computed_tokens // self.block_manager.block_size)) is None:
-            return True
+            return None
         hits, num_hit_tokens, _ = hit
         if num_hit_tokens == request.num_computed_tokens or self.block_manager.allocate_slots(request, 0, hits) is None:
             return False
-        if request.num_cached_tokens == request.num_computed_tokens:  # the first admission's hit, continued
+        if not request.num_preemptions:  # its first admission's hit, continued
             request.num_cached_tokens = num_hit_tokens
         request.num_computed_tokens = num_hit_tokens
         if not num_loads(hits):
