@@ -7,7 +7,7 @@ from collections import deque
 
 import pytest
 from engine_fakes import VOCAB, FakeRunner, check_scheduler_invariants, reference_output
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jaxrunner.engine.block_manager import BlockManager, blocks_to_hold, null_blocks
@@ -446,11 +446,17 @@ def test_random_workloads_respect_budgets_and_finish_correctly(async_scheduling,
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @pytest.mark.parametrize("async_scheduling, num_steps", [(False, 1), (True, 1), (True, 4)])
 @given(workloads(offload=True))
+@example(({"block_size": 2, "max_model_len": 24, "max_num_seqs": 1, "budget": 1, "num_blocks": 7, "caching": True,
+           "windows": (8,), "host_blocks": 8, "load_delay": 0, "max_loads": 2, "piece_sizes": (1,)},
+          [[0] * 17], [(0, 0, [], 1, None), (0, 0, [0] * 5, 1, None), (0, 0, [], 1, None), (0, 0, [], 1, None),
+                       (0, 0, [0] * 6, 1, None)]))
 def test_random_workloads_with_a_host_tier(async_scheduling, num_steps, workload):
     """The same, where evicted prefixes come back from a host tier, their loads taking up to three
     steps more: the fake runner copies blocks in the runner's order, so a block loaded wrong, read
     before it arrived, or written over a block in use shows up, and a run that stops progressing
-    (requests holding blocks for their loads while others need them) fails."""
+    (requests holding blocks for their loads while others need them) fails. The example: a hit cut
+    into parts whose sliding group gives back the first part's blocks as the second is taken (a
+    request that kept them held the whole pool)."""
     run_workload(workload, async_scheduling, num_steps)
 
 

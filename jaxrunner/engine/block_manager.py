@@ -214,6 +214,8 @@ class BlockManager:
             if first_allocation:
                 del self.req_blocks[request.req_id]
             return None
+        for g in range(len(self.windows)):
+            self._release_behind(blocks[g], self._first_needed(g, start))
         for block in on_device:
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
@@ -223,8 +225,6 @@ class BlockManager:
         fresh = tuple([self._pop_free() for _ in range(n)] for n in needed)
         for held, more in zip(blocks, fresh):
             held += more
-        for g in range(len(self.windows)):
-            self._release_behind(blocks[g], self._first_needed(g, start))
         if self.enable_caching and request.num_preemptions == 0:
             if first_allocation:
                 self.stats.requests += 1
