@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, tier: bool) -> dict:
     in_parts = _time_parts(engine, tier)
     # Per step of the visits: ms, ms of it in the tier's copies, decoder tokens, after it: the visit
     # waiting for its loads, the visit running, the load batches arrived; then ms of the step in
-    # each of `in_parts`.
+    # each of `in_parts` (the gathers and scatters: the host's time to dispatch their programs).
     steps: list[list] = []
 
     def visit(rid: str, prefix: list[int], counting: set[str]) -> tuple[float, int]:
@@ -101,14 +101,15 @@ def run(args: argparse.Namespace, tier: bool) -> dict:
         "prefix_cache_hits": stats.prefix_cache_hits, "kv_offload_hits": stats.kv_offload_hits,
         "kv_offload_gb_loaded": round(stats.kv_offload_bytes_loaded / 1e9, 3),
         "kv_offload_gb_saved": round(stats.kv_offload_bytes_saved / 1e9, 3),
-        "kv_offload_seconds": round(stats.kv_offload_seconds, 3), **load_rate, "visit_steps": steps,
+        "kv_offload_seconds": round(stats.kv_offload_seconds, 3), **load_rate,
+        "compiled_on_use": engine.runner.programs.compiled_on_use, "visit_steps": steps,
     }
 
 
 def _time_parts(engine: LLMEngine, tier: bool) -> dict[str, float]:
     """Seconds spent so far in the parts of a step that could hold the host up: waiting for a
     step's output, and with the tier writing arrived pieces and starting copies (wrapped here)."""
-    spent = {"output_wait": 0.0, "write_arrived": 0.0, "start_copies": 0.0}
+    spent = {"output_wait": 0.0, "write_arrived": 0.0, "start_copies": 0.0, "gather": 0.0, "stack": 0.0, "scatter": 0.0}
 
     def timed(name, fn):
         fn = getattr(fn, "__wrapped__", fn)  # the class's method: wrapped by an earlier run
@@ -127,6 +128,10 @@ def _time_parts(engine: LLMEngine, tier: bool) -> dict[str, float]:
         host_kv = engine.runner.host_kv
         host_kv._write_arrived = timed("write_arrived", host_kv._write_arrived)
         host_kv.start_copies = timed("start_copies", host_kv.start_copies)
+        run = host_kv.programs.run
+        kinds = {name: timed(part, run) for name, part in
+                 (("gather_blocks", "gather"), ("stack_pieces", "stack"), ("scatter_blocks", "scatter"))}
+        host_kv.programs.run = lambda kind, **named: kinds.get(kind.name, run)(kind, **named)
     return spent
 
 
@@ -136,6 +141,8 @@ def _load_rate(host_kv, n: int) -> dict:
     pieces = list({id(piece): piece for piece, _ in filter(None, host_kv.slots)}.values())
     while sum(piece.shape[0] for piece in pieces[:-1]) >= n:
         pieces.pop()
+    if not pieces:
+        return {}
     jax.block_until_ready(jax.device_put(pieces[:1], [host_kv.device]))
     start = time.perf_counter()
     blocks = jax.device_put(pieces, [host_kv.device] * len(pieces))

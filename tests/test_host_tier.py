@@ -78,6 +78,44 @@ def test_saved_blocks_come_back_bitwise_one_step_after_their_load(tp, kv_cache_d
     assert runner.programs.asked <= {p.key for p in runner.programs.warmup_programs()}, "warm-up misses a copy program"
 
 
+def test_saves_past_a_steps_share_wait_on_the_device_where_loads_find_them(monkeypatch):
+    """A step starts one piece of its saves to the host (the share monkeypatched down), oldest
+    first; the others wait on the device. A load of a waiting piece reads it there (nothing moves
+    over the link), a freed one is never sent, and with no device memory set aside for waiting
+    saves every piece starts at once."""
+    from jaxrunner.runner import host_kv
+
+    monkeypatch.setattr(host_kv, "SAVE_BYTES_PER_STEP", 1)
+    model, params = load_model(DATA / "models" / "tiny-llama", "float32")
+    runner = Runner(model, params, RunnerConfig(max_model_len=64, block_size=4, num_blocks=16, num_host_blocks=8))
+    host = runner.host_kv
+    state = runner.init_state()
+    keys = iter(jax.random.split(jax.random.key(2), 64))
+    state = dataclasses.replace(state, kv=jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), state.kv))
+    before = pages(state)
+
+    def run(state, transfers: KVTransfers):
+        return runner.sample_tokens(runner.execute_model(state, SchedulerOutput(kv_transfers=transfers)))[0]
+
+    def kinds(*slots):
+        return [host.slots[slot][0].sharding.memory_kind for slot in slots]
+
+    state = run(state, KVTransfers(saves=(((3, 0), (5, 1)), ((7, 5),), ((9, 6),))))
+    assert kinds(0, 1, 5, 6) == ["pinned_host", "pinned_host", "device", "device"]
+    assert host.stats.bytes_saved == 2 * host.block_bytes
+    state = run(state, KVTransfers(loads=((5, 12),), frees=(6,)))
+    assert kinds(5) == ["pinned_host"] and host.slots[6] is None and host.stats.bytes_loaded == 0
+    deadline = time.monotonic() + 60
+    while host.arrived() < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    state = run(state, KVTransfers())
+    assert all(np.array_equal(a[12], b[7]) for a, b in zip(pages(state), before))
+    assert host.stats.bytes_saved == 3 * host.block_bytes, "the freed slot's piece was sent"
+    monkeypatch.setattr(host, "_most_waiting", 0)
+    state = run(state, KVTransfers(saves=(((1, 2),), ((2, 3),))))
+    assert kinds(2, 3) == ["pinned_host", "pinned_host"]
+
+
 def test_a_load_writes_its_largest_pieces_a_group_per_program(monkeypatch):
     """With copies of at most two blocks, seven saved blocks are pieces of 2, 2, 2 and 1; loaded in
     one step, the three largest are written by one program (a group of four, padded with rows
@@ -106,8 +144,8 @@ def test_a_load_writes_its_largest_pieces_a_group_per_program(monkeypatch):
     while runner.host_kv.arrived() < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     state = run(state, KVTransfers())
-    assert {key for key in runner.programs.asked - asked if key[0] == "scatter_blocks"} == {
-        ("scatter_blocks", 8, 4), ("scatter_blocks", 1, 1)}
+    assert {key for key in runner.programs.asked - asked if key[0] in ("stack_pieces", "scatter_blocks")} == {
+        ("stack_pieces", 2, 4), ("scatter_blocks", 8), ("stack_pieces", 1, 1), ("scatter_blocks", 1)}
     for a, b in zip(pages(state), before):
         assert np.array_equal(a[8:15], b[1:8]) and np.array_equal(a[:8], b[:8]) and np.array_equal(a[15:], b[15:])
     assert runner.programs.asked <= {p.key for p in runner.programs.warmup_programs()}, "warm-up misses a copy program"

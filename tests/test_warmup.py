@@ -60,7 +60,7 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     assert all(o.finished and o.error is None for o in outs + plain) and llm.llm_engine.scheduler.num_preemptions > 0
     assert programs.asked <= programs.warm and programs.compiled_on_use == 0
     # no drafts, no LoRA, no host tier here
-    assert {key[0] for key in programs.asked} == KINDS - {"spec_sample", "write_lora", "gather_blocks", "scatter_blocks"}
+    assert {key[0] for key in programs.asked} == KINDS - {"spec_sample", "write_lora", "gather_blocks", "stack_pieces", "scatter_blocks"}
     assert any(key[0] == "forward" and key[2] for key in programs.asked) == bool(decode_forms)
 
 

@@ -33,11 +33,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from jaxrunner.runner.context import KV_TRANSFER_BYTES
+from jaxrunner.runner.context import KV_TRANSFER_BYTES, LOADS_IN_FLIGHT_BYTES
 from jaxrunner.step_io import KVTransfers
 
 Key = tuple[int, bytes]  # (KV-cache group, block hash): the prefix cache's key
-LOADS_IN_FLIGHT_BYTES = 2 << 30  # the device bytes of the blocks that a prefix may load at once
 
 
 def max_loads(block_bytes: int) -> int:

@@ -8,7 +8,8 @@ block is in which slot) are the engine's (`engine.host_tier`); they rely on this
   2. this step's loads read their slots, and its saves are gathered from the cache (GATHER_BLOCKS),
      before the step's programs write it (`transfer`);
   3. once the step's programs are queued, the loads start their copies to the device (step 1 of a
-     later step writes them) and the saves theirs to the host (`start_copies`).
+     later step writes them) and the saves theirs to the host, a few pieces a step
+     (`start_copies`).
 
 Blocks move in pieces: the engine packs the blocks a step saves in runs of a copy bucket's size
 (`KVTransfers.saves`), and each, gathered by one program (`step.gather_blocks`), is one array in
@@ -19,6 +20,11 @@ a few copies, not one per block; they run beside the device's programs, and no s
 the scheduler admits a request whose blocks are loading once `arrived` counts them. A piece lives
 while one of its rows is a slot's: the engine evicts whole pieces (`KVTransfers.frees`), so the
 pool holds no more than its slots.
+
+A step's output comes back through the same queue as the saves' copies, behind those started
+before it; so a step starts SAVE_BYTES_PER_STEP of them, and the rest wait on the device, where a
+load finds them too. They start sooner when they would hold more device memory than KV sizing set
+aside for them (`LOADS_IN_FLIGHT_BYTES` with the loads on their way).
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxrunner.runner.context import SCATTER_GROUPS, Context
+from jaxrunner.runner.context import KV_TRANSFER_BYTES, LOADS_IN_FLIGHT_BYTES, SCATTER_GROUPS, Context
 from jaxrunner.runner.input_batch import bucket
-from jaxrunner.runner.programs import GATHER_BLOCKS, SCATTER_BLOCKS, Programs
+from jaxrunner.runner.programs import GATHER_BLOCKS, SCATTER_BLOCKS, STACK_PIECES, Programs
 from jaxrunner.runner.state import RunnerState
 from jaxrunner.step_io import KVTransfers, reject
 
@@ -44,7 +50,8 @@ class HostKVStats:
     seconds: float = 0.0  # host time the steps spent starting the copies
 
 
-Piece = jax.Array  # packed blocks [n, shards, bytes] in pinned host memory, n a copy bucket
+Piece = jax.Array  # packed blocks [n, shards, bytes] in pinned host memory (or on the device until sent), n a copy bucket
+SAVE_BYTES_PER_STEP = 2 * KV_TRANSFER_BYTES  # the saves a step starts to the host: what the link moves in a short step
 
 
 class HostKV:
@@ -57,6 +64,7 @@ class HostKV:
         self.host = block.sharding.with_memory_kind("pinned_host")
         self.slots: list[tuple[Piece, int] | None] = [None] * ctx.config.num_host_blocks  # (piece, row), once saved
         self.block_bytes = block.size
+        self._most_waiting = LOADS_IN_FLIGHT_BYTES * block.shape[1]  # device bytes of saves not sent and loads on their way
         most = ctx.packed_blocks(self.buckets[-1])
         self._padding = jax.device_put(np.zeros(most.shape, np.uint8), self.device)  # fills a group of pieces
         self._reserve()
@@ -64,7 +72,7 @@ class HostKV:
         self._arriving: deque[list[tuple[np.ndarray, jax.Array]]] = deque()
         self._written = 0  # steps whose loads are written into the cache
         self._loads: list[tuple[np.ndarray, Piece]] = []  # this step's: (device block per row, piece)
-        self._saves: list[tuple[list[int], jax.Array]] = []  # this step's: slots, their blocks gathered
+        self._unsent: deque[tuple[list[int], jax.Array]] = deque()  # saves gathered, not sent: slots, their blocks
         self.stats = HostKVStats()
 
     def _reserve(self) -> None:
@@ -117,7 +125,9 @@ class HostKV:
         for piece in transfers.saves:
             blocks, slots = np.array(piece, np.int32).T
             packed = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=blocks)
-            self._saves.append((slots.tolist(), packed))
+            for row, slot in enumerate(slots.tolist()):
+                self.slots[slot] = (packed, row)
+            self._unsent.append((slots.tolist(), packed))
         self.stats.seconds += time.perf_counter() - start
         return state
 
@@ -127,16 +137,32 @@ class HostKV:
         if self._loads:
             loaded = jax.device_put([piece for _, piece in self._loads], [self.device] * len(self._loads))
             self._arriving.append([(blocks, piece) for (blocks, _), piece in zip(self._loads, loaded)])
-            self.stats.bytes_loaded += sum(piece.nbytes for _, piece in self._loads)
+            self.stats.bytes_loaded += sum(piece.nbytes for _, piece in self._loads if piece.sharding == self.host)
             self._loads = []
-        if self._saves:
-            held = jax.device_put([packed for _, packed in self._saves], [self.host] * len(self._saves))
-            for (slots, _), piece in zip(self._saves, held):
-                for row, slot in enumerate(slots):
-                    self.slots[slot] = (piece, row)
-                self.stats.bytes_saved += piece.nbytes
-            self._saves = []
+        self._send()
         self.stats.seconds += time.perf_counter() - start
+
+    def _send(self) -> None:
+        """Start the oldest saves' copies to the host: SAVE_BYTES_PER_STEP of them, or more while
+        those waiting and the loads on their way hold more than `_most_waiting`. A piece no slot
+        holds any more is dropped unsent."""
+        waiting = sum(piece.nbytes for _, piece in self._unsent)
+        waiting += sum(piece.nbytes for pieces in self._arriving for _, piece in pieces)
+        sending, budget = [], SAVE_BYTES_PER_STEP
+        while self._unsent and (budget > 0 or waiting > self._most_waiting):
+            slots, packed = self._unsent.popleft()
+            waiting -= packed.nbytes
+            if any(self.slots[slot] is not None and self.slots[slot][0] is packed for slot in slots):
+                sending.append((slots, packed))
+                budget -= packed.nbytes
+        if not sending:
+            return
+        held = jax.device_put([packed for _, packed in sending], [self.host] * len(sending))
+        for (slots, packed), piece in zip(sending, held):
+            for row, slot in enumerate(slots):
+                if self.slots[slot] is not None and self.slots[slot][0] is packed:
+                    self.slots[slot] = (piece, row)
+            self.stats.bytes_saved += piece.nbytes
 
     def _write_arrived(self, state: RunnerState) -> RunnerState:
         """Every piece on the device by now written into its blocks, the largest ones a group per
@@ -163,5 +189,5 @@ class HostKV:
         """One program writing `pieces` (one, or a group of the largest padded to SCATTER_GROUPS)."""
         dropped = np.full(self.buckets[-1], self.num_blocks, np.int32)
         pieces = pieces + [(dropped, self._padding)] * (bucket(len(pieces), SCATTER_GROUPS) - len(pieces))
-        return self.programs.run(SCATTER_BLOCKS, state=state, blocks=np.concatenate([b for b, _ in pieces]),
-                                 packed=tuple(piece for _, piece in pieces))
+        rows = self.programs.run(STACK_PIECES, packed=tuple(piece for _, piece in pieces))
+        return self.programs.run(SCATTER_BLOCKS, state=state, blocks=np.concatenate([b for b, _ in pieces]), rows=rows)

@@ -43,6 +43,7 @@ from jaxrunner.runner.step import (
     prompt_logprobs_step,
     sample_step,
     scatter_blocks,
+    stack_pieces,
     write_block_rows,
     write_token_rows,
 )
@@ -139,10 +140,21 @@ def _gather_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
         yield dict(pages=(ctx.state.kv, ctx.state.draft_kv), blocks=np.zeros(n, np.int32))
 
 
-def _scatter_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+def _piece_groups(ctx: Context) -> Iterator[tuple[int, int]]:
+    """(blocks per piece, pieces) of each group the host tier writes in one program."""
     for n in ctx.kv_transfer_buckets:
         for count in SCATTER_GROUPS if n == ctx.kv_transfer_buckets[-1] else (1,):
-            yield dict(state=ctx.state, blocks=np.zeros(n * count, np.int32), packed=(ctx.packed_blocks(n),) * count)
+            yield n, count
+
+
+def _stack_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+    for n, count in _piece_groups(ctx):
+        yield dict(packed=(ctx.packed_blocks(n),) * count)
+
+
+def _scatter_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+    for n, count in _piece_groups(ctx):
+        yield dict(state=ctx.state, blocks=np.zeros(n * count, np.int32), rows=ctx.packed_blocks(n * count))
 
 
 def _model_and_kernels(ctx: Context) -> dict:
@@ -188,11 +200,13 @@ PROMPT_LOGPROBS = Kind(
 WRITE_LORA = Kind("write_lora", write_slot, key=lambda a: (), examples=_write_lora_examples, donate=("lora",))
 GATHER_BLOCKS = Kind("gather_blocks", gather_blocks, key=lambda a: (a["blocks"].shape[0],), examples=_gather_examples,
                      fixed=lambda ctx: dict(shards=ctx.model.shards))
-SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks"].shape[0], len(a["packed"])),
+STACK_PIECES = Kind("stack_pieces", stack_pieces, key=lambda a: (a["packed"][0].shape[0], len(a["packed"])),
+                    examples=_stack_examples)
+SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks"].shape[0],),
                       examples=_scatter_examples, fixed=lambda ctx: dict(shards=ctx.model.shards), donate=("state",))
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
 KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, WRITE_TOKENS, PROMPT_LOGPROBS, WRITE_LORA,
-         GATHER_BLOCKS, SCATTER_BLOCKS)
+         GATHER_BLOCKS, STACK_PIECES, SCATTER_BLOCKS)
 
 
 @dataclass(frozen=True)

@@ -116,12 +116,20 @@ def gather_blocks(pages: tuple, blocks: jax.Array, *, shards: int) -> jax.Array:
     return jnp.concatenate([_as_bytes(leaf[blocks], shards) for leaf in jax.tree.leaves(pages)], axis=2)
 
 
-def scatter_blocks(state: RunnerState, blocks: jax.Array, packed: tuple, *, shards: int) -> RunnerState:
-    """`gather_blocks`'s inverse for pieces of packed blocks, one after another: write them into the
-    blocks (a block id past the cache: dropped). Several pieces in one program: the call's host
-    cost grows with the cache's leaves, not with the pieces."""
+def stack_pieces(packed: tuple) -> jax.Array:
+    """Pieces of packed blocks that arrived from the host, one after another in an array this
+    program writes. `scatter_blocks` reads that array, not the pieces: a program that donates the
+    cache and reads an array of a batch of copies still in flight holds the host until the whole
+    batch has arrived (PJRT's donation), and the steps behind it with it."""
+    return jnp.concatenate(packed) if len(packed) > 1 else packed[0] + jnp.uint8(0)
+
+
+def scatter_blocks(state: RunnerState, blocks: jax.Array, rows: jax.Array, *, shards: int) -> RunnerState:
+    """`gather_blocks`'s inverse: write the packed blocks `rows` into the blocks (a block id past the
+    cache: dropped). Several pieces in one program: the call's host cost grows with the cache's
+    leaves, not with the pieces."""
     leaves, tree = jax.tree.flatten((state.kv, state.draft_kv))
-    rows, at, written = jnp.concatenate(packed) if len(packed) > 1 else packed[0], 0, []
+    at, written = 0, []
     for leaf in leaves:
         size = math.prod(leaf.shape[1:]) * leaf.dtype.itemsize // shards
         written.append(leaf.at[blocks].set(_from_bytes(rows[:, :, at : at + size], leaf), mode="drop"))
