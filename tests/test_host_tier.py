@@ -4,6 +4,7 @@ back when a prefix comes back (the scheduler's side is in test_scheduler, with a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from pathlib import Path
@@ -24,6 +25,19 @@ def pages(state) -> list[np.ndarray]:
     return [np.asarray(leaf).astype(np.float32) for leaf in jax.tree.leaves((state.kv, state.draft_kv))]
 
 
+def random_state(runner: Runner, seed: int):
+    """The runner's first state with random pages, so that every block's are its own."""
+    state = runner.init_state()
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    return dataclasses.replace(state, kv=jax.tree.map(
+        lambda x: jax.device_put(jax.random.normal(next(keys), x.shape).astype(x.dtype), x.sharding), state.kv))
+
+
+def transfer(runner: Runner, state, transfers: KVTransfers):
+    """A step of the runner that only moves blocks."""
+    return runner.sample_tokens(runner.execute_model(state, SchedulerOutput(kv_transfers=transfers)))[0]
+
+
 @pytest.mark.parametrize("tp, kv_cache_dtype", [(1, "auto"), (2, "fp8")])
 def test_saved_blocks_come_back_bitwise_one_step_after_their_load(tp, kv_cache_dtype):
     """The runner's copies alone, on random pages: blocks saved to host slots and loaded into other
@@ -38,16 +52,9 @@ def test_saved_blocks_come_back_bitwise_one_step_after_their_load(tp, kv_cache_d
                        kv_cache_dtype=kv_cache_dtype)
     runner = Runner(model, params, cfg)
     host = runner.host_kv
-    state = runner.init_state()
-    keys = iter(jax.random.split(jax.random.key(0), 64))
-    kv = jax.tree.map(lambda x: jax.device_put(jax.random.normal(next(keys), x.shape).astype(x.dtype), x.sharding),
-                      state.kv)
-    state = dataclasses.replace(state, kv=kv)
+    state = random_state(runner, 0)
     before = pages(state)
-
-    def run(state, transfers: KVTransfers):
-        state = runner.execute_model(state, SchedulerOutput(kv_transfers=transfers))
-        return runner.sample_tokens(state)[0]
+    run = functools.partial(transfer, runner)
 
     def arrive(state, loads: int):
         deadline = time.monotonic() + 60
@@ -89,13 +96,9 @@ def test_saves_past_a_steps_share_wait_on_the_device_where_loads_find_them(monke
     model, params = load_model(DATA / "models" / "tiny-llama", "float32")
     runner = Runner(model, params, RunnerConfig(max_model_len=64, block_size=4, num_blocks=16, num_host_blocks=8))
     host = runner.host_kv
-    state = runner.init_state()
-    keys = iter(jax.random.split(jax.random.key(2), 64))
-    state = dataclasses.replace(state, kv=jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), state.kv))
+    state = random_state(runner, 2)
     before = pages(state)
-
-    def run(state, transfers: KVTransfers):
-        return runner.sample_tokens(runner.execute_model(state, SchedulerOutput(kv_transfers=transfers)))[0]
+    run = functools.partial(transfer, runner)
 
     def kinds(*slots):
         return [host.slots[slot][0].sharding.memory_kind for slot in slots]
@@ -128,13 +131,9 @@ def test_a_load_writes_its_largest_pieces_a_group_per_program(monkeypatch):
     monkeypatch.setattr(context, "KV_TRANSFER_BYTES", 2 * probe.ctx.packed_blocks(1).size)
     runner = Runner(model, params, cfg)
     assert runner.host_kv.buckets == (1, 2)
-    state = runner.init_state()
-    keys = iter(jax.random.split(jax.random.key(1), 64))
-    state = dataclasses.replace(state, kv=jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), state.kv))
+    state = random_state(runner, 1)
     before = pages(state)
-
-    def run(state, transfers: KVTransfers):
-        return runner.sample_tokens(runner.execute_model(state, SchedulerOutput(kv_transfers=transfers)))[0]
+    run = functools.partial(transfer, runner)
 
     state = run(state, KVTransfers(saves=tuple(tuple((b, b - 1) for b in run) for run in ((1, 2), (3, 4), (5, 6), (7,)))))
     assert len({id(runner.host_kv.slots[slot][0]) for slot in range(7)}) == 4
