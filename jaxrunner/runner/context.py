@@ -27,7 +27,7 @@ from jaxrunner.spec_decode.drafts import queries_per_decode
 
 KV_TRANSFER_BYTES = 64 << 20  # the most one host-tier copy moves: copies this large run at the link's rate
 LOADS_IN_FLIGHT_BYTES = 2 << 30  # a host tier's device bytes (each device's share) of the blocks loading at once
-SCATTER_GROUPS = (1, 2, 4, 8)  # how many of the largest copies one program writes into the cache (padded up)
+PIECE_GROUPS = (1, 2, 4, 8)  # how many of the largest pieces one program gathers from or writes into the cache
 
 
 @dataclass(frozen=True)

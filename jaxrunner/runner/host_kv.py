@@ -12,8 +12,8 @@ block is in which slot) are the engine's (`engine.host_tier`); they rely on this
      (`start_copies`).
 
 Blocks move in pieces: the engine packs the blocks a step saves in runs of a copy bucket's size
-(`KVTransfers.saves`), and each, gathered by one program (`step.gather_blocks`), is one array in
-pinned host memory; a slot is a row of one. A load copies every piece that holds one of its slots
+(`KVTransfers.saves`), and each, gathered from the cache (`step.gather_blocks`, up to eight of the
+largest per program), is one array in pinned host memory; a slot is a row of one. A load copies every piece that holds one of its slots
 whole, and the scatter drops the rows no slot of the load asked for. Each copy costs the host a
 start and runs at the link's rate only when large, so a prefix saved in a few steps comes back in
 a few copies, not one per block; they run beside the device's programs, and no step waits on one:
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxrunner.runner.context import KV_TRANSFER_BYTES, LOADS_IN_FLIGHT_BYTES, SCATTER_GROUPS, Context
+from jaxrunner.runner.context import KV_TRANSFER_BYTES, LOADS_IN_FLIGHT_BYTES, PIECE_GROUPS, Context
 from jaxrunner.runner.input_batch import bucket
 from jaxrunner.runner.programs import GATHER_BLOCKS, SCATTER_BLOCKS, STACK_PIECES, Programs
 from jaxrunner.runner.state import RunnerState
@@ -122,14 +122,27 @@ class HostKV:
         self._loads = list(pieces.values())
         for slot in transfers.frees:
             self.slots[slot] = None
-        for piece in transfers.saves:
-            blocks, slots = np.array(piece, np.int32).T
-            packed = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=blocks)
-            for row, slot in enumerate(slots.tolist()):
-                self.slots[slot] = (packed, row)
-            self._unsent.append((slots.tolist(), packed))
+        for group in self._gather_groups(transfers.saves):
+            blocks = np.array([block for piece in group for block, _ in piece], np.int32)
+            gathered = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=blocks, pieces=len(group))
+            for piece, packed in zip(group, gathered):
+                slots = [slot for _, slot in piece]
+                for row, slot in enumerate(slots):
+                    self.slots[slot] = (packed, row)
+                self._unsent.append((slots, packed))
         self.stats.seconds += time.perf_counter() - start
         return state
+
+    def _gather_groups(self, saves: tuple) -> list[list]:
+        """The step's pieces as the gathers take them: the largest in groups of PIECE_GROUPS's sizes,
+        largest first (none padded: a padding piece would hold device memory), each other alone."""
+        most = self.buckets[-1] if self.buckets else 0
+        largest, groups = [piece for piece in saves if len(piece) == most], []
+        for size in reversed(PIECE_GROUPS):
+            while len(largest) >= size:
+                groups.append(largest[:size])
+                largest = largest[size:]
+        return groups + [[piece] for piece in saves if len(piece) != most]
 
     def start_copies(self) -> None:
         """Step 3 above: the copies that `transfer` prepared."""
@@ -166,7 +179,7 @@ class HostKV:
 
     def _write_arrived(self, state: RunnerState) -> RunnerState:
         """Every piece on the device by now written into its blocks, the largest ones a group per
-        program (SCATTER_GROUPS); then the steps all of whose pieces are written are done."""
+        program (PIECE_GROUPS); then the steps all of whose pieces are written are done."""
         most, largest = self.buckets[-1], []
         for pieces in self._arriving:
             waiting = []
@@ -178,16 +191,16 @@ class HostKV:
                 else:
                     state = self._scatter(state, [(blocks, piece)])
             pieces[:] = waiting
-        for i in range(0, len(largest), SCATTER_GROUPS[-1]):
-            state = self._scatter(state, largest[i : i + SCATTER_GROUPS[-1]])
+        for i in range(0, len(largest), PIECE_GROUPS[-1]):
+            state = self._scatter(state, largest[i : i + PIECE_GROUPS[-1]])
         while self._arriving and not self._arriving[0]:
             self._arriving.popleft()
             self._written += 1
         return state
 
     def _scatter(self, state: RunnerState, pieces: list[tuple[np.ndarray, jax.Array]]) -> RunnerState:
-        """One program writing `pieces` (one, or a group of the largest padded to SCATTER_GROUPS)."""
+        """One program writing `pieces` (one, or a group of the largest padded to PIECE_GROUPS)."""
         dropped = np.full(self.buckets[-1], self.num_blocks, np.int32)
-        pieces = pieces + [(dropped, self._padding)] * (bucket(len(pieces), SCATTER_GROUPS) - len(pieces))
+        pieces = pieces + [(dropped, self._padding)] * (bucket(len(pieces), PIECE_GROUPS) - len(pieces))
         rows = self.programs.run(STACK_PIECES, packed=tuple(piece for _, piece in pieces))
         return self.programs.run(SCATTER_BLOCKS, state=state, blocks=np.concatenate([b for b, _ in pieces]), rows=rows)

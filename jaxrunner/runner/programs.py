@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxrunner.lora.slots import write_slot
-from jaxrunner.runner.context import SCATTER_GROUPS, Context
+from jaxrunner.runner.context import PIECE_GROUPS, Context
 from jaxrunner.runner.plan import StepPlan, warmup_plans
 from jaxrunner.runner.program_cache import ProgramCache, compile_noting_cache_hits
 from jaxrunner.runner.step import (
@@ -135,16 +135,16 @@ def _write_lora_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
         yield dict(lora=ctx.lora, slot=np.int32(0), adapter=ctx.adapter)
 
 
-def _gather_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
-    for n in ctx.kv_transfer_buckets:
-        yield dict(pages=(ctx.state.kv, ctx.state.draft_kv), blocks=np.zeros(n, np.int32))
-
-
 def _piece_groups(ctx: Context) -> Iterator[tuple[int, int]]:
-    """(blocks per piece, pieces) of each group the host tier writes in one program."""
+    """(blocks per piece, pieces) of each group the host tier gathers or writes in one program."""
     for n in ctx.kv_transfer_buckets:
-        for count in SCATTER_GROUPS if n == ctx.kv_transfer_buckets[-1] else (1,):
+        for count in PIECE_GROUPS if n == ctx.kv_transfer_buckets[-1] else (1,):
             yield n, count
+
+
+def _gather_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
+    for n, count in _piece_groups(ctx):
+        yield dict(pages=(ctx.state.kv, ctx.state.draft_kv), blocks=np.zeros(n * count, np.int32), pieces=count)
 
 
 def _stack_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
@@ -198,8 +198,8 @@ PROMPT_LOGPROBS = Kind(
                            num_top=ctx.config.sampler.logprobs_width(ctx.model.vocab_size),
                            as_logits=ctx.config.sampler.logprobs_mode.endswith("logits")))
 WRITE_LORA = Kind("write_lora", write_slot, key=lambda a: (), examples=_write_lora_examples, donate=("lora",))
-GATHER_BLOCKS = Kind("gather_blocks", gather_blocks, key=lambda a: (a["blocks"].shape[0],), examples=_gather_examples,
-                     fixed=lambda ctx: dict(shards=ctx.model.shards))
+GATHER_BLOCKS = Kind("gather_blocks", gather_blocks, key=lambda a: (a["blocks"].shape[0], a["pieces"]),
+                     examples=_gather_examples, fixed=lambda ctx: dict(shards=ctx.model.shards))
 STACK_PIECES = Kind("stack_pieces", stack_pieces, key=lambda a: (a["packed"][0].shape[0], len(a["packed"])),
                     examples=_stack_examples)
 SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks"].shape[0],),

@@ -108,12 +108,14 @@ def write_token_rows(state: RunnerState, slots: jax.Array, rows: jax.Array) -> R
     return dataclasses.replace(state, token_ids=state.token_ids.at[slots].set(rows, mode="drop"))
 
 
-def gather_blocks(pages: tuple, blocks: jax.Array, *, shards: int) -> jax.Array:
-    """The blocks as a host tier keeps them: the pages of every leaf of `pages` (the cache's and the
-    draft's: the `(state.kv, state.draft_kv)` a host tier copies) as one array of bytes [blocks,
-    shards, bytes], each device's heads in its row, so that blocks move between the tiers in one
-    copy each way whatever the model's layers."""
-    return jnp.concatenate([_as_bytes(leaf[blocks], shards) for leaf in jax.tree.leaves(pages)], axis=2)
+def gather_blocks(pages: tuple, blocks: jax.Array, *, shards: int, pieces: int) -> tuple[jax.Array, ...]:
+    """The blocks as a host tier keeps them, in `pieces` equal runs: the pages of every leaf of
+    `pages` (the cache's and the draft's: the `(state.kv, state.draft_kv)` a host tier copies) as
+    arrays of bytes [blocks, shards, bytes], each device's heads in its row, so that blocks move
+    between the tiers in one copy each way whatever the model's layers. Several pieces in one
+    program for the same reason as `scatter_blocks`."""
+    packed = jnp.concatenate([_as_bytes(leaf[blocks], shards) for leaf in jax.tree.leaves(pages)], axis=2)
+    return tuple(jnp.split(packed, pieces))
 
 
 def stack_pieces(packed: tuple) -> jax.Array:
