@@ -121,8 +121,8 @@ def gather_blocks(pages: tuple, blocks: jax.Array, *, shards: int, pieces: int) 
 def stack_pieces(packed: tuple) -> jax.Array:
     """Pieces of packed blocks that arrived from the host, one after another in an array this
     program writes. `scatter_blocks` reads that array, not the pieces: a program that donates the
-    cache and reads an array of a batch of copies still in flight holds the host until the whole
-    batch has arrived (PJRT's donation), and the steps behind it with it."""
+    cache and reads an array of a batch of copies still in flight can hold the host until the
+    whole batch has arrived, and the steps behind it with it (`benchmarks/host_copies.py`)."""
     return jnp.concatenate(packed) if len(packed) > 1 else packed[0] + jnp.uint8(0)
 
 
