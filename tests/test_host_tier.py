@@ -144,7 +144,8 @@ def test_a_load_writes_its_largest_pieces_a_group_per_program(monkeypatch):
         calls.clear()
         return found
 
-    state = run(state, KVTransfers(saves=tuple(tuple((b, b - 1) for b in run) for run in ((1, 2), (3, 4), (5, 6), (7,)))))
+    saves = tuple(tuple((b, b - 1) for b in run) for run in ((1, 2), (3, 4), (5, 6), (7,)))
+    state = run(state, KVTransfers(saves=saves))
     assert len({id(runner.host_kv.slots[slot][0]) for slot in range(7)}) == 4
     assert copies() == [("gather_blocks", 4, 2), ("gather_blocks", 2, 1), ("gather_blocks", 1, 1)]
     state = run(state, KVTransfers(loads=tuple((slot, slot + 8) for slot in range(7))))

@@ -13,8 +13,9 @@ block is in which slot) are the engine's (`engine.host_tier`); they rely on this
 
 Blocks move in pieces: the engine packs the blocks a step saves in runs of a copy bucket's size
 (`KVTransfers.saves`), and each, gathered from the cache (`step.gather_blocks`, up to eight of the
-largest per program), is one array in pinned host memory; a slot is a row of one. A load copies every piece that holds one of its slots
-whole, and the scatter drops the rows no slot of the load asked for. Each copy costs the host a
+largest per program), is one array in pinned host memory; a slot is a row of one. A load copies
+every piece that holds one of its slots whole, and the scatter drops the rows no slot of the load
+asked for. Each copy costs the host a
 start and runs at the link's rate only when large, so a prefix saved in a few steps comes back in
 a few copies, not one per block; they run beside the device's programs, and no step waits on one:
 the scheduler admits a request whose blocks are loading once `arrived` counts them. A piece lives
@@ -50,7 +51,7 @@ class HostKVStats:
     seconds: float = 0.0  # host time the steps spent starting the copies
 
 
-Piece = jax.Array  # packed blocks [n, shards, bytes] in pinned host memory (or on the device until sent), n a copy bucket
+Piece = jax.Array  # packed blocks [n, shards, bytes], n a copy bucket: in pinned host memory, on the device until sent
 SAVE_BYTES_PER_STEP = 2 * KV_TRANSFER_BYTES  # the saves a step starts to the host: what the link moves in a short step
 
 
@@ -64,7 +65,7 @@ class HostKV:
         self.host = block.sharding.with_memory_kind("pinned_host")
         self.slots: list[tuple[Piece, int] | None] = [None] * ctx.config.num_host_blocks  # (piece, row), once saved
         self.block_bytes = block.size
-        self._most_waiting = LOADS_IN_FLIGHT_BYTES * block.shape[1]  # device bytes of saves not sent and loads on their way
+        self._most_waiting = LOADS_IN_FLIGHT_BYTES * block.shape[1]  # device bytes: saves not sent, loads arriving
         most = ctx.packed_blocks(self.buckets[-1])
         self._padding = jax.device_put(np.zeros(most.shape, np.uint8), self.device)  # fills a group of pieces
         self._reserve()
@@ -124,7 +125,8 @@ class HostKV:
             self.slots[slot] = None
         for group in self._gather_groups(transfers.saves):
             blocks = np.array([block for piece in group for block, _ in piece], np.int32)
-            gathered = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=blocks, pieces=len(group))
+            gathered = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv), blocks=blocks,
+                                         pieces=len(group))
             for piece, packed in zip(group, gathered):
                 slots = [slot for _, slot in piece]
                 for row, slot in enumerate(slots):
@@ -136,7 +138,7 @@ class HostKV:
     def _gather_groups(self, saves: tuple) -> list[list]:
         """The step's pieces as the gathers take them: the largest in groups of PIECE_GROUPS's sizes,
         largest first (none padded: a padding piece would hold device memory), each other alone."""
-        most = self.buckets[-1] if self.buckets else 0
+        most = self.buckets[-1]
         largest, groups = [piece for piece in saves if len(piece) == most], []
         for size in reversed(PIECE_GROUPS):
             while len(largest) >= size:
@@ -165,7 +167,7 @@ class HostKV:
         while self._unsent and (budget > 0 or waiting > self._most_waiting):
             slots, packed = self._unsent.popleft()
             waiting -= packed.nbytes
-            if any(self.slots[slot] is not None and self.slots[slot][0] is packed for slot in slots):
+            if any(self._holds(slot, packed) for slot in slots):
                 sending.append((slots, packed))
                 budget -= packed.nbytes
         if not sending:
@@ -173,9 +175,13 @@ class HostKV:
         held = jax.device_put([packed for _, packed in sending], [self.host] * len(sending))
         for (slots, packed), piece in zip(sending, held):
             for row, slot in enumerate(slots):
-                if self.slots[slot] is not None and self.slots[slot][0] is packed:
+                if self._holds(slot, packed):
                     self.slots[slot] = (piece, row)
             self.stats.bytes_saved += piece.nbytes
+
+    def _holds(self, slot: int, packed: jax.Array) -> bool:
+        """Whether `slot` still holds a row of `packed` (not freed, nor saved into again since)."""
+        return self.slots[slot] is not None and self.slots[slot][0] is packed
 
     def _write_arrived(self, state: RunnerState) -> RunnerState:
         """Every piece on the device by now written into its blocks, the largest ones a group per
