@@ -48,28 +48,32 @@ def run(args: argparse.Namespace, tier: bool) -> dict:
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     copies = engine.runner.host_kv.stats if tier else None
-    in_parts = _time_parts(engine, tier)
-    # Per step of the visits: ms, ms of it in the tier's copies, decoder tokens, after it: the visit
-    # waiting for its loads, the visit running, the load batches arrived; then ms of the step in
-    # each of `in_parts` (the gathers and scatters: the host's time to dispatch their programs).
+    in_parts, dispatches = _time_parts(engine, tier)
+    # Per step of the visits (and of the decoders' window alone): ms, ms of it in the tier's copies,
+    # decoder tokens, after it: the visit waiting for its loads, the visit running, the load batches
+    # arrived; then ms of the step in each of `in_parts` (the host's time in each).
     steps: list[list] = []
+    window_steps: list[list] = []
+
+    def step(rows: list[list], counting: set[str], rid: str = "") -> list:
+        began, copying, parts = time.perf_counter(), copies.seconds if copies else 0.0, dict(in_parts)
+        outs = engine.step()
+        scheduler = engine.scheduler
+        rows.append([round(1e3 * (time.perf_counter() - began), 2),
+                     round(1e3 * ((copies.seconds if copies else 0.0) - copying), 2),
+                     sum(out.request_id in counting for out in outs),
+                     rid in scheduler.loading, any(r.req_id == rid for r in scheduler.running),
+                     engine.runner.host_kv.arrived() if copies else 0,
+                     *(round(1e3 * (in_parts[k] - parts[k]), 2) for k in in_parts)])
+        return outs
 
     def visit(rid: str, prefix: list[int], counting: set[str]) -> tuple[float, int]:
         """Seconds to the visit's first token, and the tokens the decoders made meanwhile."""
         engine.add_request(rid, {"prompt_token_ids": prefix + rng.integers(3, vocab, args.message).tolist()}, one)
-        start, made = time.perf_counter(), 0
+        start, made, rows = time.perf_counter(), 0, steps if counting else []
         while True:
-            began, copying, parts = time.perf_counter(), copies.seconds if copies else 0.0, dict(in_parts)
-            outs = engine.step()
-            counted = sum(out.request_id in counting for out in outs)
-            if counting:
-                scheduler = engine.scheduler
-                steps.append([round(1e3 * (time.perf_counter() - began), 2),
-                              round(1e3 * ((copies.seconds if copies else 0.0) - copying), 2), counted,
-                              rid in scheduler.loading, any(r.req_id == rid for r in scheduler.running),
-                              engine.runner.host_kv.arrived() if copies else 0,
-                              *(round(1e3 * (in_parts[k] - parts[k]), 2) for k in in_parts)])
-            made += counted
+            outs = step(rows, counting, rid)
+            made += rows[-1][2]
             if any(out.request_id == rid and out.outputs[0].token_ids for out in outs):
                 return time.perf_counter() - start, made
 
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace, tier: bool) -> dict:
         engine.step()
     start, made = time.perf_counter(), 0
     for _ in range(args.window):
-        made += sum(out.request_id in decoding for out in engine.step())
+        made += sum(out.request_id in decoding for out in step(window_steps, decoding))
     alone = made / (time.perf_counter() - start)
     ttfts, made, spent = [], 0, 0.0
     for r in range(args.rounds):
@@ -102,14 +106,21 @@ def run(args: argparse.Namespace, tier: bool) -> dict:
         "kv_offload_gb_loaded": round(stats.kv_offload_bytes_loaded / 1e9, 3),
         "kv_offload_gb_saved": round(stats.kv_offload_bytes_saved / 1e9, 3),
         "kv_offload_seconds": round(stats.kv_offload_seconds, 3), **load_rate,
-        "compiled_on_use": engine.runner.programs.compiled_on_use, "visit_steps": steps,
+        "compiled_on_use": engine.runner.programs.compiled_on_use,
+        "first_dispatches": _first_dispatches(dispatches),
+        "visit_step_columns": ["ms", "tier_ms", "decoder_tokens", "loading", "running", "arrived", *in_parts],
+        "visit_steps": steps, "window_steps": window_steps,
     }
 
 
-def _time_parts(engine: LLMEngine, tier: bool) -> dict[str, float]:
-    """Seconds spent so far in the parts of a step that could hold the host up: waiting for a
-    step's output, and with the tier writing arrived pieces and starting copies (wrapped here)."""
-    spent = {"output_wait": 0.0, "write_arrived": 0.0, "start_copies": 0.0, "gather": 0.0, "stack": 0.0, "scatter": 0.0}
+def _time_parts(engine: LLMEngine, tier: bool) -> tuple[dict[str, float], dict[tuple, list[float]]]:
+    """Seconds spent so far in the parts of a step that could hold the host up (wrapped here):
+    waiting for a step's output; with the tier, writing arrived pieces, starting copies and each
+    of the tier's programs; the engine's parts (`execute` holds the tier's write and gathers), and
+    the dispatch of the step's other programs. Then each program's dispatches, in seconds: a
+    program's first run on the GPU may cost the host far more than its later ones."""
+    spent = {"output_wait": 0.0, "write_arrived": 0.0, "start_copies": 0.0, "gather": 0.0, "stack": 0.0, "scatter": 0.0,
+             "schedule": 0.0, "execute": 0.0, "sample": 0.0, "process": 0.0, "other_programs": 0.0}
 
     def timed(name, fn):
         fn = getattr(fn, "__wrapped__", fn)  # the class's method: wrapped by an earlier run
@@ -124,15 +135,35 @@ def _time_parts(engine: LLMEngine, tier: bool) -> dict[str, float]:
         return run
 
     PendingOutput.get = timed("output_wait", PendingOutput.get)
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine._process = timed("process", engine._process)
+    runner = engine.runner
+    runner.execute_model = timed("execute", runner.execute_model)
+    runner.sample_tokens = timed("sample", runner.sample_tokens)
+    run, kinds, dispatches = runner.programs.run, {}, {}
     if tier:
-        host_kv = engine.runner.host_kv
-        host_kv._write_arrived = timed("write_arrived", host_kv._write_arrived)
-        host_kv.start_copies = timed("start_copies", host_kv.start_copies)
-        run = host_kv.programs.run
+        runner.host_kv._write_arrived = timed("write_arrived", runner.host_kv._write_arrived)
+        runner.host_kv.start_copies = timed("start_copies", runner.host_kv.start_copies)
         kinds = {name: timed(part, run) for name, part in
                  (("gather_blocks", "gather"), ("stack_pieces", "stack"), ("scatter_blocks", "scatter"))}
-        host_kv.programs.run = lambda kind, **named: kinds.get(kind.name, run)(kind, **named)
-    return spent
+    others = timed("other_programs", run)
+
+    def dispatch(kind, **named):
+        key, start = runner.programs.program(kind, **named).key, time.perf_counter()
+        try:
+            return kinds.get(kind.name, others)(kind, **named)
+        finally:
+            dispatches.setdefault(key, []).append(time.perf_counter() - start)
+    runner.programs.run = dispatch
+    return spent, dispatches
+
+
+def _first_dispatches(dispatches: dict[tuple, list[float]], top: int = 12) -> list[list]:
+    """The programs whose first dispatch took the host longest: key, its first and its later
+    dispatches' median (ms), runs."""
+    rows = [[str(key), round(1e3 * ms[0], 2), round(1e3 * statistics.median(ms[1:]), 2) if ms[1:] else None, len(ms)]
+            for key, ms in dispatches.items()]
+    return sorted(rows, key=lambda row: -row[1])[:top]
 
 
 def _load_rate(host_kv, n: int) -> dict:
@@ -174,7 +205,8 @@ def main() -> None:
     result = {"device": jax.devices()[0].device_kind, **vars(args)}
     for mode, tier in (("recompute", False), ("host_tier", True)):
         result[mode] = run(args, tier)
-        print(mode, json.dumps({k: v for k, v in result[mode].items() if k != "visit_steps"}), flush=True)
+        shown = {k: v for k, v in result[mode].items() if not k.startswith(("visit_step", "window_steps", "first_"))}
+        print(mode, json.dumps(shown), flush=True)
     result["ttft_speedup"] = round(result["recompute"]["ttft_ms_median"] / result["host_tier"]["ttft_ms_median"], 2)
     print(json.dumps({k: result[k] for k in ("device", "shape", "prefix", "users", "ttft_speedup")}))
     if out := os.environ.get("OUT"):

@@ -33,6 +33,17 @@ def random_state(runner: Runner, seed: int):
         lambda x: jax.device_put(jax.random.normal(next(keys), x.shape).astype(x.dtype), x.sharding), state.kv))
 
 
+def recorded_programs(monkeypatch, runner: Runner) -> list[tuple]:
+    """The keys of the programs the runner runs from now on, in order."""
+    calls, programs = [], runner.programs
+    monkeypatch.setattr(programs, "run", lambda kind, **named: calls.append(programs.program(kind, **named).key)
+                        or type(programs).run(programs, kind, **named))
+    return calls
+
+
+COPY_PROGRAMS = ("gather_blocks", "stack_pieces", "scatter_blocks")
+
+
 def transfer(runner: Runner, state, transfers: KVTransfers):
     """A step of the runner that only moves blocks."""
     return runner.sample_tokens(runner.execute_model(state, SchedulerOutput(kv_transfers=transfers)))[0]
@@ -43,8 +54,9 @@ def test_saved_blocks_come_back_bitwise_one_step_after_their_load(tp, kv_cache_d
     """The runner's copies alone, on random pages: blocks saved to host slots and loaded into other
     blocks arrive bitwise in every page (each layer's K and V, split over the devices under TP), in
     the first step after their copies arrived, and nothing else changes. A step's saves are pieces
-    of a copy bucket's size (three blocks: two and one); a load moves a piece whole and writes only
-    the rows it asked for. Freed slots let their piece go, and a save fills them again."""
+    of a copy bucket's size (three blocks: two and one); a load moves a piece whole, starting before
+    the step's programs are queued, and writes only the rows it asked for. Freed slots let their
+    piece go, and a save fills them again."""
     if jax.device_count() < tp:
         pytest.skip(f"needs {tp} devices (the CPU suite forces them; a one-GPU machine has one)")
     model, params = load_model(DATA / "models" / "tiny-llama", "float32")
@@ -67,7 +79,9 @@ def test_saved_blocks_come_back_bitwise_one_step_after_their_load(tp, kv_cache_d
     assert pieces[0][0] is pieces[1][0] is not pieces[5][0] and [pieces[s][1] for s in (0, 1, 5)] == [0, 1, 0]
     assert all(piece.sharding.memory_kind == "pinned_host" and piece.nbytes == n * host.block_bytes
                for piece, n in ((pieces[0][0], 2), (pieces[5][0], 1)))
-    state = run(state, KVTransfers(loads=((0, 10), (5, 12))))
+    state = runner.execute_model(state, SchedulerOutput(kv_transfers=KVTransfers(loads=((0, 10), (5, 12)))))
+    assert host.stats.bytes_loaded == 3 * host.block_bytes, "the loads did not start before the step's programs"
+    state = runner.sample_tokens(state)[0]
     assert all(np.array_equal(a, b) for a, b in zip(pages(state), before)), "a load was written before its step"
     state = arrive(state, 1)
     state = arrive(run(state, KVTransfers(loads=((1, 11),))), 2)
@@ -135,12 +149,10 @@ def test_a_load_writes_its_largest_pieces_a_group_per_program(monkeypatch):
     state = random_state(runner, 1)
     before = pages(state)
     run = functools.partial(transfer, runner)
-    calls, programs = [], runner.programs
-    monkeypatch.setattr(programs, "run", lambda kind, **named: calls.append(programs.program(kind, **named).key)
-                        or type(programs).run(programs, kind, **named))
+    calls = recorded_programs(monkeypatch, runner)
 
     def copies():
-        found = [key for key in calls if key[0] in ("gather_blocks", "stack_pieces", "scatter_blocks")]
+        found = [key for key in calls if key[0] in COPY_PROGRAMS]
         calls.clear()
         return found
 
@@ -159,6 +171,21 @@ def test_a_load_writes_its_largest_pieces_a_group_per_program(monkeypatch):
     for a, b in zip(pages(state), before):
         assert np.array_equal(a[8:15], b[1:8]) and np.array_equal(a[:8], b[:8]) and np.array_equal(a[15:], b[15:])
     assert runner.programs.asked <= {p.key for p in runner.programs.warmup_programs()}, "warm-up misses a copy program"
+
+
+def test_each_copy_program_runs_once_before_the_first_step_writing_nothing(monkeypatch):
+    """A program's first run on the GPU holds the host far longer than its later runs (its kernels
+    load), so the engine runs each copy program once after warm-up (`Runner.run_copies_once`):
+    every gather, stack and scatter that warm-up compiled, once, and the random pages stay bitwise."""
+    model, params = load_model(DATA / "models" / "tiny-llama", "float32")
+    runner = Runner(model, params, RunnerConfig(max_model_len=64, block_size=4, num_blocks=16, num_host_blocks=8))
+    state = random_state(runner, 3)
+    before = pages(state)
+    calls = recorded_programs(monkeypatch, runner)
+    state = runner.run_copies_once(state)
+    compiled = [p.key for p in runner.programs.warmup_programs() if p.key[0] in COPY_PROGRAMS]
+    assert sorted(calls) == sorted(compiled) and len(compiled) == 3 * (len(runner.host_kv.buckets) - 1 + 4)
+    assert all(np.array_equal(a, b) for a, b in zip(pages(state), before))
 
 
 def test_transfers_outside_the_cache_or_the_pool_are_refused():

@@ -174,10 +174,12 @@ class LLMEngine:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """Compile every program a step can run (`Runner.warmup`), showing the progress; once."""
+        """Compile every program a step can run (`Runner.warmup`), showing the progress, and run the
+        host tier's copies once (`Runner.run_copies_once`); once."""
         if self.warm:
             return
         report = self.runner.warmup(WarmupProgress(), background=self.args.compile_in_background)
+        self.state = self.runner.run_copies_once(self.state)
         self.startup = report = {**self._phases, **report}
         logger.info("loaded in %.1f s, sized the KV cache in %.1f s, compiled %d programs in %.1f s (%.1f s lowering); "
                     "KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"], report["kv_sizing_seconds"],

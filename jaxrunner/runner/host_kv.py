@@ -5,11 +5,11 @@ block is in which slot) are the engine's (`engine.host_tier`); they rely on this
   1. the earlier steps' loads that are on the device by now are written into their blocks
      (SCATTER_BLOCKS) before anything of this step runs: each piece as it arrives, so that a
      request's whole load is not written in the step that admits it (`arrived`);
-  2. this step's loads read their slots, and its saves are gathered from the cache (GATHER_BLOCKS),
-     before the step's programs write it (`transfer`);
-  3. once the step's programs are queued, the loads start their copies to the device (step 1 of a
-     later step writes them) and the saves theirs to the host, a few pieces a step
-     (`start_copies`).
+  2. this step's loads read their slots and start their copies to the device at once (step 1 of a
+     later step writes them; a step's programs read none of them, so none waits), and its saves
+     are gathered from the cache (GATHER_BLOCKS) before the step's programs write it (`transfer`);
+  3. once the step's programs are queued and its output is on its way, the saves start their
+     copies to the host, a few pieces a step (`start_copies`).
 
 Blocks move in pieces: the engine packs the blocks a step saves in runs of a copy bucket's size
 (`KVTransfers.saves`), and each, gathered from the cache (`step.gather_blocks`, up to eight of the
@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxrunner.runner.context import KV_TRANSFER_BYTES, LOADS_IN_FLIGHT_BYTES, PIECE_GROUPS, Context
 from jaxrunner.runner.input_batch import bucket
-from jaxrunner.runner.programs import GATHER_BLOCKS, SCATTER_BLOCKS, STACK_PIECES, Programs
+from jaxrunner.runner.programs import GATHER_BLOCKS, SCATTER_BLOCKS, STACK_PIECES, Programs, piece_groups
 from jaxrunner.runner.state import RunnerState
 from jaxrunner.step_io import KVTransfers, reject
 
@@ -72,15 +72,27 @@ class HostKV:
         # Per step with loads, oldest first: its pieces not written yet, as (device block per row, piece on its way).
         self._arriving: deque[list[tuple[np.ndarray, jax.Array]]] = deque()
         self._written = 0  # steps whose loads are written into the cache
-        self._loads: list[tuple[np.ndarray, Piece]] = []  # this step's: (device block per row, piece)
         self._unsent: deque[tuple[list[int], jax.Array]] = deque()  # saves gathered, not sent: slots, their blocks
         self.stats = HostKVStats()
+        self._groups = list(piece_groups(ctx))  # (blocks per piece, pieces) of each copy program
 
     def _reserve(self) -> None:
         """Have the host allocator pin the whole pool now: it pins memory as it grows, and a step
         whose saves grew it would wait for that (the allocator keeps what it pinned)."""
         count = -(-len(self.slots) // self.buckets[-1])
         jax.block_until_ready(jax.device_put([self._padding] * count, [self.host] * count))
+
+    def run_each_once(self, state: RunnerState) -> RunnerState:
+        """Run each copy program once, gathering the cache's first block and writing nothing back
+        (every row dropped): a program's first run on the GPU holds the host far longer than later
+        ones (its kernels load), and a revisit's steps would pay that."""
+        for n, count in self._groups:
+            gathered = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv),
+                                         blocks=np.zeros(n * count, np.int32), pieces=count)
+            rows = self.programs.run(STACK_PIECES, packed=gathered)
+            state = self.programs.run(SCATTER_BLOCKS, state=state, blocks=np.full(n * count, self.num_blocks, np.int32),
+                                      rows=rows)
+        return jax.block_until_ready(state)
 
     def check(self, transfers: KVTransfers) -> None:
         """A ValueError (nothing changed) for a block or slot outside the cache or the pool, a save
@@ -120,7 +132,7 @@ class HostKV:
             piece, row = self.slots[slot]
             blocks, _ = pieces.setdefault(id(piece), (np.full(piece.shape[0], self.num_blocks, np.int32), piece))
             blocks[row] = block  # the rest stay past the cache: the scatter drops them
-        self._loads = list(pieces.values())
+        self._start_loads(list(pieces.values()))
         for slot in transfers.frees:
             self.slots[slot] = None
         for group in self._gather_groups(transfers.saves):
@@ -146,14 +158,16 @@ class HostKV:
                 largest = largest[size:]
         return groups + [[piece] for piece in saves if len(piece) != most]
 
+    def _start_loads(self, loads: list[tuple[np.ndarray, Piece]]) -> None:
+        """Start the copies of `loads` (device block per row, piece) to the device."""
+        if loads:
+            loaded = jax.device_put([piece for _, piece in loads], [self.device] * len(loads))
+            self._arriving.append([(blocks, piece) for (blocks, _), piece in zip(loads, loaded)])
+            self.stats.bytes_loaded += sum(piece.nbytes for _, piece in loads if piece.sharding == self.host)
+
     def start_copies(self) -> None:
-        """Step 3 above: the copies that `transfer` prepared."""
+        """Step 3 above: the saves that `transfer` gathered."""
         start = time.perf_counter()
-        if self._loads:
-            loaded = jax.device_put([piece for _, piece in self._loads], [self.device] * len(self._loads))
-            self._arriving.append([(blocks, piece) for (blocks, _), piece in zip(self._loads, loaded)])
-            self.stats.bytes_loaded += sum(piece.nbytes for _, piece in self._loads if piece.sharding == self.host)
-            self._loads = []
         self._send()
         self.stats.seconds += time.perf_counter() - start
 

@@ -135,7 +135,7 @@ def _write_lora_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
         yield dict(lora=ctx.lora, slot=np.int32(0), adapter=ctx.adapter)
 
 
-def _piece_groups(ctx: Context) -> Iterator[tuple[int, int]]:
+def piece_groups(ctx: Context) -> Iterator[tuple[int, int]]:
     """(blocks per piece, pieces) of each group the host tier gathers or writes in one program."""
     for n in ctx.kv_transfer_buckets:
         for count in PIECE_GROUPS if n == ctx.kv_transfer_buckets[-1] else (1,):
@@ -143,17 +143,17 @@ def _piece_groups(ctx: Context) -> Iterator[tuple[int, int]]:
 
 
 def _gather_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
-    for n, count in _piece_groups(ctx):
+    for n, count in piece_groups(ctx):
         yield dict(pages=(ctx.state.kv, ctx.state.draft_kv), blocks=np.zeros(n * count, np.int32), pieces=count)
 
 
 def _stack_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
-    for n, count in _piece_groups(ctx):
+    for n, count in piece_groups(ctx):
         yield dict(packed=(ctx.packed_blocks(n),) * count)
 
 
 def _scatter_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
-    for n, count in _piece_groups(ctx):
+    for n, count in piece_groups(ctx):
         yield dict(state=ctx.state, blocks=np.zeros(n * count, np.int32), rows=ctx.packed_blocks(n * count))
 
 

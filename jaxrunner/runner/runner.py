@@ -4,13 +4,13 @@ One step, top to bottom:
   1. `plan.prepare`: check the SchedulerOutput and make the next host request table and the step's
      plan (padded arrays, rows to write, LoRA slots to load, prompt-logprob rows); until both stand
      nothing has changed, so a ValueError leaves the runner exactly as it was (random state included);
-  2. `execute_model`, on the device (state donated): the host tier's arrived loads written and its
+  2. `execute_model`, on the device (state donated): the host tier's arrived loads written, its
      saves gathered (`host_kv`), the plan's row writes, then the backbone over the packed tokens
      with paged attention (a multi-step decode: all its rounds, sampling included);
   3. `sample_tokens`: the structured requests' grammar masks into the plan's buffer (the host fills
      them while the backbone runs), then logits and sampling for the batch's rows (with speculative
      decoding, `spec_decode.sample`: verify the drafts, keep 1 to k + 1 tokens, propose the next),
-     and prompt logprobs for requests that ask for them; then the host tier's copies start while
+     and prompt logprobs for requests that ask for them; then the host tier's saves start while
      the device runs all that; the output is handed back in flight (`dispatch`) or read (`step`).
 Each device call is a program of `programs.py`, found by the key of its named arguments. With
 `tensor_parallel_size` > 1 the runner lays its params out for the split and places them and its
@@ -223,9 +223,9 @@ class Runner:
         return state, pending
 
     def _start_copies(self) -> None:
-        """The host tier's copies of the step just queued: the host starts them while the device runs
+        """The host tier's saves of the step just queued: the host starts them while the device runs
         it, after the step's output has started its way to the host (`_pending`), which would
-        otherwise queue behind the saves."""
+        otherwise queue behind them."""
         if self.host_kv is not None:
             self.host_kv.start_copies()
 
@@ -318,6 +318,11 @@ class Runner:
         """Wait for a background warm-up (`warmup(background=True)`) to finish."""
         if self._warming is not None:
             self._warming.join(timeout)
+
+    def run_copies_once(self, state: RunnerState) -> RunnerState:
+        """The state after each of the host tier's copy programs ran once, writing nothing
+        (`HostKV.run_each_once`): after `warmup`, before the first step. Without a host tier, `state`."""
+        return self.host_kv.run_each_once(state) if self.host_kv is not None else state
 
     def stop_warmup(self) -> None:
         """End a background warm-up once the compiles it has started are done, and wait for that:
