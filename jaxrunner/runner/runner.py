@@ -4,9 +4,10 @@ One step, top to bottom:
   1. `plan.prepare`: check the SchedulerOutput and make the next host request table and the step's
      plan (padded arrays, rows to write, LoRA slots to load, prompt-logprob rows); until both stand
      nothing has changed, so a ValueError leaves the runner exactly as it was (random state included);
-  2. `execute_model`, on the device (state donated): the host tier's arrived loads written, its
-     saves gathered (`host_kv`), the plan's row writes, then the backbone over the packed tokens
-     with paged attention (a multi-step decode: all its rounds, sampling included);
+  2. `execute_model`, on the device (state donated): the host tier's arrived loads written, the
+     step's loads started and its saves gathered (`host_kv`), the plan's row writes, then the
+     backbone over the packed tokens with paged attention (a multi-step decode: all its rounds,
+     sampling included);
   3. `sample_tokens`: the structured requests' grammar masks into the plan's buffer (the host fills
      them while the backbone runs), then logits and sampling for the batch's rows (with speculative
      decoding, `spec_decode.sample`: verify the drafts, keep 1 to k + 1 tokens, propose the next),
