@@ -15,12 +15,11 @@ Blocks move in pieces: the engine packs the blocks a step saves in runs of a cop
 (`KVTransfers.saves`), and each, gathered from the cache (`step.gather_blocks`, up to eight of the
 largest per program), is one array in pinned host memory; a slot is a row of one. A load copies
 every piece that holds one of its slots whole, and the scatter drops the rows no slot of the load
-asked for. Each copy costs the host a
-start and runs at the link's rate only when large, so a prefix saved in a few steps comes back in
-a few copies, not one per block; they run beside the device's programs, and no step waits on one:
-the scheduler admits a request whose blocks are loading once `arrived` counts them. A piece lives
-while one of its rows is a slot's: the engine evicts whole pieces (`KVTransfers.frees`), so the
-pool holds no more than its slots.
+asked for. Each copy costs the host a start and runs at the link's rate only when large, so a
+prefix saved in a few steps comes back in a few copies, not one per block; they run beside the
+device's programs, and no step waits on one: the scheduler admits a request whose blocks are
+loading once `arrived` counts them. A piece lives while one of its rows is a slot's: the engine
+evicts whole pieces (`KVTransfers.frees`), so the pool holds no more than its slots.
 
 A step's output comes back through the same queue as the saves' copies, behind those started
 before it; so a step starts SAVE_BYTES_PER_STEP of them, and the rest wait on the device, where a
@@ -89,9 +88,7 @@ class HostKV:
         for n, count in self._groups:
             gathered = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv),
                                          blocks=np.zeros(n * count, np.int32), pieces=count)
-            rows = self.programs.run(STACK_PIECES, packed=gathered)
-            state = self.programs.run(SCATTER_BLOCKS, state=state, blocks=np.full(n * count, self.num_blocks, np.int32),
-                                      rows=rows)
+            state = self._scatter(state, [(np.full(n, self.num_blocks, np.int32), piece) for piece in gathered])
         return jax.block_until_ready(state)
 
     def check(self, transfers: KVTransfers) -> None:
