@@ -15,7 +15,7 @@
 #   bash benchmarks/serving.sh families   # Gemma, MoE and KV-cache groups on the GPU: parity, the engine's groups, fp8's logit error
 #   bash benchmarks/serving.sh moe        # the Qwen3-30B-A3B shape's decode at batch 1 and 64, each with the HF peer
 #   bash benchmarks/serving.sh moe-mosaic # its experts per layer in each form (benchmarks/moe.py), then batch 1 with kernels=mosaic
-#   bash benchmarks/serving.sh offload    # the prefix cache's host tier: TTFT of 16k and 8k prefixes revisited after eviction, recomputed vs loaded (8B shape)
+#   bash benchmarks/serving.sh offload    # the prefix cache's host tier: TTFT of 4-16k prefixes revisited after eviction, recomputed vs loaded (8B shape)
 #   bash benchmarks/serving.sh host-copies  # copies between pinned host memory and the device: GB/s by piece size, and beside the device's programs
 #   bash benchmarks/serving.sh invariant  # batch invariance at W2's scale (a request alone vs in 256); the mode's projections against XLA's
 #   bash benchmarks/serving.sh invariant-cost  # the mode's cost on W1 and W2
@@ -84,9 +84,9 @@ case "$1" in
       timeout 200 python3 -m jaxrunner.cli bench throughput --no-peer $flag --json "$OUT/w2${flag:+_invariant}.json" 2>&1 | tr '\r' '\n' | grep jaxrunner
     done ;;
   offload)
-    for prefix in 16384 8192; do
-      timeout 280 python3 benchmarks/kv_offload.py --shape llama3-8b --prefix $prefix --users 4 --rounds 2 --warm-up 2>&1 | tail -3
-      cp "$OUT/kv_offload.json" "$OUT/kv_offload_$prefix.json"
+    for prefix in 4096,8192,12288,16384 8192 16384; do  # a mixed workload, then one length at a time
+      timeout 280 python3 benchmarks/kv_offload.py --shape llama3-8b --prefix $prefix --users 4 --warm-up 2>&1 | tail -3 | cut -c1-400
+      cp "$OUT/kv_offload.json" "$OUT/kv_offload_${prefix//,/_}.json"
     done ;;
   host-copies)
     timeout 120 python3 benchmarks/host_copies.py 2>&1 | tail -7 ;;

@@ -169,7 +169,8 @@ class Runner:
             self.host_kv.check(sched.kv_transfers)
         elif sched.kv_transfers:
             reject("kv_transfers given to a runner without a host tier (RunnerConfig.num_host_blocks=0)")
-        rng = copy.deepcopy(self._rng)  # seeds are drawn from a copy, kept only if the step stands
+        # New requests' seeds are drawn from a copy, kept only if the step stands (no other step draws)
+        rng = copy.deepcopy(self._rng) if sched.scheduled_new_reqs else self._rng
         self._table, plan = prepare(self._table, sched, self._serving, rng, self.adapters)
         self._rng = rng
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
