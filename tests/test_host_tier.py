@@ -133,11 +133,11 @@ def test_saves_past_a_steps_share_wait_on_the_device_where_loads_find_them(monke
     assert kinds(2, 3) == ["pinned_host", "pinned_host"]
 
 
-def test_a_load_writes_its_largest_pieces_a_group_per_program(monkeypatch):
+def test_a_load_writes_its_pieces_a_group_per_program(monkeypatch):
     """With copies of at most two blocks, seven saved blocks are pieces of 2, 2, 2 and 1, gathered
-    by three programs (two of the largest, the third, the last); loaded in one step, the three
-    largest are stacked and written by one program each (a group of four, padded with rows that
-    are dropped) and the last by its own, bitwise, and nothing else changes."""
+    by three programs (two of the largest, the third, the last); loaded in one step, the last is
+    padded to two blocks and all four are stacked and written by one program (a scatter's host
+    cost is the cache's leaves, whatever its rows), bitwise, and nothing else changes."""
     from jaxrunner.runner import context
 
     model, params = load_model(DATA / "models" / "tiny-llama", "float32")
@@ -166,17 +166,16 @@ def test_a_load_writes_its_largest_pieces_a_group_per_program(monkeypatch):
         time.sleep(0.01)
     copies()
     state = run(state, KVTransfers())
-    assert sorted(copies()) == sorted([("stack_pieces", 2, 4), ("scatter_blocks", 8), ("stack_pieces", 1, 1),
-                                       ("scatter_blocks", 1)])
+    assert sorted(copies()) == sorted([("stack_pieces", 1, 1), ("stack_pieces", 2, 4), ("scatter_blocks", 8)])
     for a, b in zip(pages(state), before):
         assert np.array_equal(a[8:15], b[1:8]) and np.array_equal(a[:8], b[:8]) and np.array_equal(a[15:], b[15:])
     assert runner.programs.asked <= {p.key for p in runner.programs.warmup_programs()}, "warm-up misses a copy program"
 
 
-def test_each_copy_program_runs_once_before_the_first_step_writing_nothing(monkeypatch):
+def test_each_copy_program_runs_before_the_first_step_writing_nothing(monkeypatch):
     """A program's first run on the GPU holds the host far longer than its later runs (its kernels
-    load), so the engine runs each copy program once after warm-up (`Runner.run_copies_once`):
-    every gather, stack and scatter that warm-up compiled, once, and the random pages stay bitwise."""
+    load), so the engine runs every copy program after warm-up (`Runner.run_copies_once`):
+    every gather, stack and scatter that warm-up compiled, and the random pages stay bitwise."""
     model, params = load_model(DATA / "models" / "tiny-llama", "float32")
     runner = Runner(model, params, RunnerConfig(max_model_len=64, block_size=4, num_blocks=16, num_host_blocks=8))
     state = random_state(runner, 3)
@@ -184,7 +183,8 @@ def test_each_copy_program_runs_once_before_the_first_step_writing_nothing(monke
     calls = recorded_programs(monkeypatch, runner)
     state = runner.run_copies_once(state)
     compiled = [p.key for p in runner.programs.warmup_programs() if p.key[0] in COPY_PROGRAMS]
-    assert sorted(calls) == sorted(compiled) and len(compiled) == 3 * (len(runner.host_kv.buckets) - 1 + 4)
+    smaller = len(runner.host_kv.buckets) - 1  # a gather and a stack for each; the scatters take the largest only
+    assert set(calls) == set(compiled) and len(compiled) == 2 * (smaller + 4) + 4
     assert all(np.array_equal(a, b) for a, b in zip(pages(state), before))
 
 

@@ -82,9 +82,9 @@ class HostKV:
         jax.block_until_ready(jax.device_put([self._padding] * count, [self.host] * count))
 
     def run_each_once(self, state: RunnerState) -> RunnerState:
-        """Run each copy program once, gathering the cache's first block and writing nothing back
-        (every row dropped): a program's first run on the GPU holds the host far longer than later
-        ones (its kernels load), and a revisit's steps would pay that."""
+        """Run every copy program (those that write, more than once), gathering the cache's first
+        block and writing nothing back (every row dropped): a program's first run on the GPU holds
+        the host far longer than later ones (its kernels load), and a revisit's steps would pay that."""
         for n, count in self._groups:
             gathered = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv),
                                          blocks=np.zeros(n * count, np.int32), pieces=count)
@@ -195,29 +195,29 @@ class HostKV:
         return self.slots[slot] is not None and self.slots[slot][0] is packed
 
     def _write_arrived(self, state: RunnerState) -> RunnerState:
-        """Every piece on the device by now written into its blocks, the largest ones a group per
-        program (PIECE_GROUPS); then the steps all of whose pieces are written are done."""
-        most, largest = self.buckets[-1], []
+        """Every piece on the device by now written into its blocks, a group of PIECE_GROUPS's
+        largest per program; then the steps all of whose pieces are written are done."""
+        ready = []
         for pieces in self._arriving:
             waiting = []
             for blocks, piece in pieces:
-                if not piece.is_ready():
-                    waiting.append((blocks, piece))
-                elif piece.shape[0] == most:
-                    largest.append((blocks, piece))
-                else:
-                    state = self._scatter(state, [(blocks, piece)])
+                (ready if piece.is_ready() else waiting).append((blocks, piece))
             pieces[:] = waiting
-        for i in range(0, len(largest), PIECE_GROUPS[-1]):
-            state = self._scatter(state, largest[i : i + PIECE_GROUPS[-1]])
+        for i in range(0, len(ready), PIECE_GROUPS[-1]):
+            state = self._scatter(state, ready[i : i + PIECE_GROUPS[-1]])
         while self._arriving and not self._arriving[0]:
             self._arriving.popleft()
             self._written += 1
         return state
 
     def _scatter(self, state: RunnerState, pieces: list[tuple[np.ndarray, jax.Array]]) -> RunnerState:
-        """One program writing `pieces` (one, or a group of the largest padded to PIECE_GROUPS)."""
-        dropped = np.full(self.buckets[-1], self.num_blocks, np.int32)
-        pieces = pieces + [(dropped, self._padding)] * (bucket(len(pieces), PIECE_GROUPS) - len(pieces))
-        rows = self.programs.run(STACK_PIECES, packed=tuple(piece for _, piece in pieces))
-        return self.programs.run(SCATTER_BLOCKS, state=state, blocks=np.concatenate([b for b, _ in pieces]), rows=rows)
+        """One program writing `pieces` (up to PIECE_GROUPS's largest count, of any sizes): each
+        smaller than the largest is padded to it first (`step.stack_pieces`), and the group is
+        padded to a count of PIECE_GROUPS, its padding rows dropped."""
+        most = self.buckets[-1]
+        group = [(np.pad(blocks, (0, most - len(blocks)), constant_values=self.num_blocks),
+                  piece if len(blocks) == most else self.programs.run(STACK_PIECES, packed=(piece,)))
+                 for blocks, piece in pieces]
+        group += [(np.full(most, self.num_blocks, np.int32), self._padding)] * (bucket(len(group), PIECE_GROUPS) - len(group))
+        rows = self.programs.run(STACK_PIECES, packed=tuple(piece for _, piece in group))
+        return self.programs.run(SCATTER_BLOCKS, state=state, blocks=np.concatenate([b for b, _ in group]), rows=rows)

@@ -154,7 +154,8 @@ def _stack_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
 
 def _scatter_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
     for n, count in piece_groups(ctx):
-        yield dict(state=ctx.state, blocks=np.zeros(n * count, np.int32), rows=ctx.packed_blocks(n * count))
+        if n == ctx.kv_transfer_buckets[-1]:  # the others are padded to it first (`stack_pieces`)
+            yield dict(state=ctx.state, blocks=np.zeros(n * count, np.int32), rows=ctx.packed_blocks(n * count))
 
 
 def _model_and_kernels(ctx: Context) -> dict:
@@ -201,7 +202,7 @@ WRITE_LORA = Kind("write_lora", write_slot, key=lambda a: (), examples=_write_lo
 GATHER_BLOCKS = Kind("gather_blocks", gather_blocks, key=lambda a: (a["blocks"].shape[0], a["pieces"]),
                      examples=_gather_examples, fixed=lambda ctx: dict(shards=ctx.model.shards))
 STACK_PIECES = Kind("stack_pieces", stack_pieces, key=lambda a: (a["packed"][0].shape[0], len(a["packed"])),
-                    examples=_stack_examples)
+                    examples=_stack_examples, fixed=lambda ctx: dict(rows=ctx.kv_transfer_buckets[-1]))
 SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks"].shape[0],),
                       examples=_scatter_examples, fixed=lambda ctx: dict(shards=ctx.model.shards), donate=("state",))
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.

@@ -118,12 +118,15 @@ def gather_blocks(pages: tuple, blocks: jax.Array, *, shards: int, pieces: int) 
     return tuple(jnp.split(packed, pieces))
 
 
-def stack_pieces(packed: tuple) -> jax.Array:
-    """Pieces of packed blocks that arrived from the host, one after another in an array this
-    program writes. `scatter_blocks` reads that array, not the pieces: a program that donates the
-    cache and reads an array of a batch of copies still in flight can hold the host until the
-    whole batch has arrived, and the steps behind it with it (`benchmarks/host_copies.py`)."""
-    return jnp.concatenate(packed) if len(packed) > 1 else packed[0] + jnp.uint8(0)
+def stack_pieces(packed: tuple, *, rows: int) -> jax.Array:
+    """Pieces of packed blocks that arrived from the host, each padded to `rows` rows, one after
+    another in an array this program writes. `scatter_blocks` reads that array, not the pieces: a
+    program that donates the cache and reads an array of a batch of copies still in flight can hold
+    the host until the whole batch has arrived, and the steps behind it with it
+    (`benchmarks/host_copies.py`). Padded, a smaller piece joins a group of the largest, and one
+    scatter writes them all: a scatter's host cost is the cache's leaves, whatever its rows."""
+    padded = [jnp.pad(piece, ((0, rows - piece.shape[0]), (0, 0), (0, 0))) for piece in packed]
+    return jnp.concatenate(padded) if len(padded) > 1 else padded[0] + jnp.uint8(0)
 
 
 def scatter_blocks(state: RunnerState, blocks: jax.Array, rows: jax.Array, *, shards: int) -> RunnerState:
