@@ -17,6 +17,7 @@
 #   bash benchmarks/serving.sh moe-mosaic # its experts per layer in each form (benchmarks/moe.py), then batch 1 with kernels=mosaic
 #   bash benchmarks/serving.sh offload    # the prefix cache's host tier: TTFT of 4-16k prefixes revisited after eviction, recomputed vs loaded (8B shape)
 #   bash benchmarks/serving.sh host-copies  # copies between pinned host memory and the device: GB/s by piece size, and beside the device's programs
+#   bash benchmarks/serving.sh dispatch   # the host's time in a 16-decoder step of the 8B shape, with XLA's CUDA graphs as set by default, off, and for every sequence
 #   bash benchmarks/serving.sh invariant  # batch invariance at W2's scale (a request alone vs in 256); the mode's projections against XLA's
 #   bash benchmarks/serving.sh invariant-cost  # the mode's cost on W1 and W2
 #   bash benchmarks/serving.sh mosaic     # the Mosaic GPU prefill attention: its GPU tests, prefill and mixed batches against cuDNN and the Triton kernel
@@ -90,6 +91,10 @@ case "$1" in
     done ;;
   host-copies)
     timeout 120 python3 benchmarks/host_copies.py 2>&1 | tail -7 ;;
+  dispatch)
+    for flags in "" --xla_gpu_enable_command_buffer= --xla_gpu_graph_min_graph_size=1; do
+      XLA_FLAGS="$flags" timeout 80 python3 benchmarks/host_dispatch.py 2>&1 | tail -1
+    done ;;
   throughput)
     timeout 590 python3 -m jaxrunner.cli bench throughput --json "$OUT/w2.json" 2>&1 | tr '\r' '\n' | tail -8 ;;
   spec)
@@ -151,5 +156,5 @@ for _ in range(400):
     timeout 200 python3 -m jaxrunner.cli bench latency --shape qwen3-30b-a3b --new 64 --iters 2 --no-peer --kernels mosaic \
       --json "$OUT/moe_b1_mosaic.json" 2>&1 | grep -E "jaxrunner|Error" ;;
   *)
-    echo "usage: bash benchmarks/serving.sh tests|tests-tier|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|moe-mosaic|offload|invariant|invariant-cost|mosaic|mosaic-w2|gemv|buckets|quant" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/serving.sh tests|tests-tier|latency|startup|decode|throughput|spec|spec-copy|structured|lora|serve|families|moe|moe-mosaic|offload|host-copies|dispatch|invariant|invariant-cost|mosaic|mosaic-w2|gemv|buckets|quant" >&2; exit 2 ;;
 esac
