@@ -82,9 +82,9 @@ class HostKV:
         jax.block_until_ready(jax.device_put([self._padding] * count, [self.host] * count))
 
     def run_each_once(self, state: RunnerState) -> RunnerState:
-        """Run every copy program (those that write, more than once), gathering the cache's first
-        block and writing nothing back (every row dropped): a program's first run on the GPU holds
-        the host far longer than later ones (its kernels load), and a revisit's steps would pay that."""
+        """Run every copy program at least once, gathering the cache's first block and writing
+        nothing back (every row dropped): a program's first run on the GPU holds the host far
+        longer than later ones (its kernels load), and a revisit's steps would pay that."""
         for n, count in self._groups:
             gathered = self.programs.run(GATHER_BLOCKS, pages=(state.kv, state.draft_kv),
                                          blocks=np.zeros(n * count, np.int32), pieces=count)
@@ -195,8 +195,8 @@ class HostKV:
         return self.slots[slot] is not None and self.slots[slot][0] is packed
 
     def _write_arrived(self, state: RunnerState) -> RunnerState:
-        """Every piece on the device by now written into its blocks, a group of PIECE_GROUPS's
-        largest per program; then the steps all of whose pieces are written are done."""
+        """Every piece on the device by now written into its blocks, up to PIECE_GROUPS's largest
+        count per program; then the steps all of whose pieces are written are done."""
         ready = []
         for pieces in self._arriving:
             waiting = []
