@@ -137,15 +137,20 @@ def test_a_load_writes_its_pieces_a_group_per_program(monkeypatch):
     """With copies of at most two blocks, seven saved blocks are pieces of 2, 2, 2 and 1, gathered
     by three programs (two of the largest, the third, the last); loaded in one step, the last is
     padded to two blocks and all four are stacked and written by one program (a scatter's host
-    cost is the cache's leaves, whatever its rows), bitwise, and nothing else changes."""
+    cost is the cache's leaves, whatever its rows), bitwise, and nothing else changes. A runner of
+    the same context with larger copies ran its copy programs first, and they share compiled
+    programs: each pads to its own largest piece."""
     from jaxrunner.runner import context
 
     model, params = load_model(DATA / "models" / "tiny-llama", "float32")
     cfg = RunnerConfig(max_model_len=64, block_size=4, num_blocks=16, num_host_blocks=8)
+    larger = Runner(model, params, cfg)
+    larger.run_copies_once(larger.init_state())
     probe = Runner(model, params, dataclasses.replace(cfg, num_host_blocks=0))
     monkeypatch.setattr(context, "KV_TRANSFER_BYTES", 2 * probe.ctx.packed_blocks(1).size)
     runner = Runner(model, params, cfg)
-    assert runner.host_kv.buckets == (1, 2)
+    assert runner.programs is larger.programs and larger.host_kv.buckets[-1] > 2 and runner.host_kv.buckets == (1, 2)
+    runner.programs.asked.clear()  # the larger runner's programs: its warm-up's, not this one's
     state = random_state(runner, 1)
     before = pages(state)
     run = functools.partial(transfer, runner)
@@ -166,7 +171,7 @@ def test_a_load_writes_its_pieces_a_group_per_program(monkeypatch):
         time.sleep(0.01)
     copies()
     state = run(state, KVTransfers())
-    assert sorted(copies()) == sorted([("stack_pieces", 1, 1), ("stack_pieces", 2, 4), ("scatter_blocks", 8)])
+    assert sorted(copies()) == sorted([("stack_pieces", 1, 1, 2), ("stack_pieces", 2, 4, 2), ("scatter_blocks", 8)])
     for a, b in zip(pages(state), before):
         assert np.array_equal(a[8:15], b[1:8]) and np.array_equal(a[:8], b[:8]) and np.array_equal(a[15:], b[15:])
     assert runner.programs.asked <= {p.key for p in runner.programs.warmup_programs()}, "warm-up misses a copy program"

@@ -216,8 +216,8 @@ class HostKV:
         padded to a count of PIECE_GROUPS, its padding rows dropped."""
         most = self.buckets[-1]
         group = [(np.pad(blocks, (0, most - len(blocks)), constant_values=self.num_blocks),
-                  piece if len(blocks) == most else self.programs.run(STACK_PIECES, packed=(piece,)))
+                  piece if len(blocks) == most else self.programs.run(STACK_PIECES, packed=(piece,), rows=most))
                  for blocks, piece in pieces]
         group += [(np.full(most, self.num_blocks, np.int32), self._padding)] * (bucket(len(group), PIECE_GROUPS) - len(group))
-        rows = self.programs.run(STACK_PIECES, packed=tuple(piece for _, piece in group))
+        rows = self.programs.run(STACK_PIECES, packed=tuple(piece for _, piece in group), rows=most)
         return self.programs.run(SCATTER_BLOCKS, state=state, blocks=np.concatenate([b for b, _ in group]), rows=rows)

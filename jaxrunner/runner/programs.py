@@ -149,7 +149,7 @@ def _gather_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
 
 def _stack_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
     for n, count in piece_groups(ctx):
-        yield dict(packed=(ctx.packed_blocks(n),) * count)
+        yield dict(packed=(ctx.packed_blocks(n),) * count, rows=ctx.kv_transfer_buckets[-1])
 
 
 def _scatter_examples(ctx: Context, plans: Plans) -> Iterator[Example]:
@@ -201,8 +201,8 @@ PROMPT_LOGPROBS = Kind(
 WRITE_LORA = Kind("write_lora", write_slot, key=lambda a: (), examples=_write_lora_examples, donate=("lora",))
 GATHER_BLOCKS = Kind("gather_blocks", gather_blocks, key=lambda a: (a["blocks"].shape[0], a["pieces"]),
                      examples=_gather_examples, fixed=lambda ctx: dict(shards=ctx.model.shards))
-STACK_PIECES = Kind("stack_pieces", stack_pieces, key=lambda a: (a["packed"][0].shape[0], len(a["packed"])),
-                    examples=_stack_examples, fixed=lambda ctx: dict(rows=ctx.kv_transfer_buckets[-1]))
+STACK_PIECES = Kind("stack_pieces", stack_pieces, key=lambda a: (a["packed"][0].shape[0], len(a["packed"]), a["rows"]),
+                    examples=_stack_examples)
 SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks"].shape[0],),
                       examples=_scatter_examples, fixed=lambda ctx: dict(shards=ctx.model.shards), donate=("state",))
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
