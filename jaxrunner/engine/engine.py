@@ -175,7 +175,7 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Compile every program a step can run (`Runner.warmup`), showing the progress, and run the
-        host tier's copies once (`Runner.run_copies_once`); once."""
+        host tier's copy programs (`Runner.run_copies_once`); once."""
         if self.warm:
             return
         report = self.runner.warmup(WarmupProgress(), background=self.args.compile_in_background)

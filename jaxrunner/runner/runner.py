@@ -322,7 +322,7 @@ class Runner:
             self._warming.join(timeout)
 
     def run_copies_once(self, state: RunnerState) -> RunnerState:
-        """The state after each of the host tier's copy programs ran once, writing nothing
+        """The state after every one of the host tier's copy programs ran, writing nothing
         (`HostKV.run_each_once`): after `warmup`, before the first step. Without a host tier, `state`."""
         return self.host_kv.run_each_once(state) if self.host_kv is not None else state
 
