@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -94,16 +95,18 @@ def trace_kernels(run) -> list[tuple[str, int, int]]:
     return gpu_kernels(trace_dir)
 
 
+def gpu_events(trace_dir: str) -> Iterator[tuple[str, object]]:
+    """(the line's name, the event) of every event on the GPU's lines of the trace in `trace_dir`."""
+    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    for plane in ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                yield from ((line.name, event) for event in line.events)
+
+
 def gpu_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
     """(name, start ns, end ns) of every kernel and copy the GPU ran in the trace."""
-    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
-    events = []
-    for plane in ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if line.name.startswith("Stream"):
-                events += [(e.name, int(e.start_ns), int(e.end_ns)) for e in line.events]
+    events = [(e.name, int(e.start_ns), int(e.end_ns)) for line, e in gpu_events(trace_dir) if line.startswith("Stream")]
     return sorted(events, key=lambda e: e[1])
 
 

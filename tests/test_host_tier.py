@@ -145,7 +145,7 @@ def test_a_load_writes_its_pieces_a_group_per_program(monkeypatch):
     model, params = load_model(DATA / "models" / "tiny-llama", "float32")
     cfg = RunnerConfig(max_model_len=64, block_size=4, num_blocks=16, num_host_blocks=8)
     larger = Runner(model, params, cfg)
-    larger.run_copies_once(larger.init_state())
+    larger.host_kv.run_each_once(larger.init_state())
     probe = Runner(model, params, dataclasses.replace(cfg, num_host_blocks=0))
     monkeypatch.setattr(context, "KV_TRANSFER_BYTES", 2 * probe.ctx.packed_blocks(1).size)
     runner = Runner(model, params, cfg)
@@ -179,14 +179,15 @@ def test_a_load_writes_its_pieces_a_group_per_program(monkeypatch):
 
 def test_each_copy_program_runs_before_the_first_step_writing_nothing(monkeypatch):
     """A program's first run on the GPU holds the host far longer than its later runs (its kernels
-    load), so the engine runs every copy program after warm-up (`Runner.run_copies_once`):
-    every gather, stack and scatter that warm-up compiled, and the random pages stay bitwise."""
+    load), so the runner runs every copy program after warm-up (`HostKV.run_each_once`, from
+    `Runner.run_each_once`): every gather, stack and scatter that warm-up compiled, and the random
+    pages stay bitwise."""
     model, params = load_model(DATA / "models" / "tiny-llama", "float32")
     runner = Runner(model, params, RunnerConfig(max_model_len=64, block_size=4, num_blocks=16, num_host_blocks=8))
     state = random_state(runner, 3)
     before = pages(state)
     calls = recorded_programs(monkeypatch, runner)
-    state = runner.run_copies_once(state)
+    state = runner.host_kv.run_each_once(state)
     compiled = [p.key for p in runner.programs.warmup_programs() if p.key[0] in COPY_PROGRAMS]
     smaller = len(runner.host_kv.buckets) - 1  # a gather and a stack for each; the scatters take the largest only
     assert set(calls) == set(compiled) and len(compiled) == 2 * (smaller + 4) + 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 from driver import drive
@@ -62,6 +64,10 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     # no drafts, no LoRA, no host tier here
     assert {key[0] for key in programs.asked} == KINDS - {"spec_sample", "write_lora", "gather_blocks", "stack_pieces", "scatter_blocks"}
     assert any(key[0] == "forward" and key[2] for key in programs.asked) == bool(decode_forms)
+    # warm-up's objects are out of the collector's way (a full collection walked them all) until the engine closes
+    assert gc.get_freeze_count() > len(gc.get_objects())
+    llm.close()
+    assert gc.get_freeze_count() == 0
 
 
 def test_a_runner_driven_directly_after_warmup_compiles_nothing():
@@ -80,6 +86,32 @@ def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     drive(runner, prompts, 12, params=MIXED, chunk=13, stagger=2, preempt={6: [1], 9: [2, 3]})
     drive(runner, prompts[:2], 6)
     assert runner.programs.asked <= runner.programs.warm and runner.programs.compiled_on_use == 0
+
+
+def test_each_step_program_runs_once_before_serving_and_leaves_nothing_behind(monkeypatch):
+    """A program's first run on a GPU holds the host far longer than its later runs (its kernels
+    load), so after warm-up each step program runs once on warm-up's synthetic schedules
+    (`Runner.run_each_once`): every backbone, sampler, decode loop and row write that warm-up
+    compiled ran, and nothing they wrote stays: the state is a fresh one, and sampled tokens
+    (unseeded ones too) are those of a runner that ran nothing before."""
+    cfg, params = load_model(MODEL.parent / "tiny-llama", "float32")
+    config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8, num_blocks=48,
+                          num_scheduler_steps=4, seed=3)
+    runner = Runner(cfg, params, config)
+    runner.warmup()
+    calls, run = [], runner.programs.run
+    monkeypatch.setattr(runner.programs, "run", lambda kind, **named: calls.append(runner.programs.program(kind, **named).key)
+                        or run(kind, **named))
+    state = runner.run_each_once(runner.init_state())
+    steps = {p.key for p in runner.programs.warmup_programs() if p.kind.name != "prompt_logprobs"}
+    assert set(calls) == steps and {key[0] for key in steps} == {"forward", "sample", "decode_loop", "write_blocks",
+                                                                  "write_tokens"}
+    fresh = runner.init_state()
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(fresh)))
+    prompts = [list(range(3, 3 + n)) for n in (5, 30, 12)]
+    sampling = [SamplingParams(temperature=1.0), *MIXED[1:3]]
+    assert drive(runner, prompts, 10, params=sampling, chunk=13) == drive(Runner(cfg, params, config), prompts, 10,
+                                                                            params=sampling, chunk=13)
 
 
 def test_a_background_warm_up_steps_with_the_buckets_ready_and_never_compiles_on_a_step(monkeypatch):

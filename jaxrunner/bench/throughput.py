@@ -8,6 +8,7 @@ adapting all seven projections.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -49,10 +50,12 @@ def run(
     gpu_memory_utilization: float | None = None,
     batch_invariant: bool = False,
     kernels: str = "auto",
+    trace_dir: str | None = None,
 ) -> dict:
     """A short warm-up generation (a few requests, prompts of their own so the prefix cache cannot
     serve the timed ones), then one timed `generate` of all the requests; the peer runs first, in
-    its own process, on the same prompts."""
+    its own process, on the same prompts. With `trace_dir`, the timed `generate` runs under JAX's
+    profiler, which writes its trace there (`benchmarks/w2_profile.py` reads it)."""
     if num_prompts < 1 or new < 1 or not 1 <= min_prompt <= max_prompt:
         raise ValueError(f"need num_prompts >= 1, new >= 1 and 1 <= min_prompt <= max_prompt; got "
                          f"num_prompts={num_prompts}, new={new}, min_prompt={min_prompt}, max_prompt={max_prompt}")
@@ -110,9 +113,10 @@ def run(
 
         llm.generate(warmup, params, use_tqdm=False, lora_request=spread(len(warmup)))
         per_request = spread(num_prompts)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, lora_request=per_request)
-        elapsed = time.perf_counter() - start
+        with jax.profiler.trace(trace_dir, profiler_options=_device_only()) if trace_dir else contextlib.nullcontext():
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, lora_request=per_request)
+            elapsed = time.perf_counter() - start
     if failed := [out.error for out in outputs if out.error is not None]:
         raise RuntimeError(f"{len(failed)} of {num_prompts} W2 requests failed, e.g.: {failed[0]}")
     tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
@@ -133,6 +137,14 @@ def run(
     if "skipped" not in peer_result:
         result["speedup_vs_peer"] = result["tokens_per_s"] / peer_result["tokens_per_s"]
     return result
+
+
+def _device_only() -> jax.profiler.ProfileOptions:
+    """The profiler's options without its Python tracer, which would slow the engine's host work
+    many times over and so misstate the host's share of the run."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    return options
 
 
 def random_adapter(path: str, model: ModelConfig, rank: int, seed: int) -> str:

@@ -20,7 +20,7 @@ from jaxrunner.runner.grammar_masks import all_allowed
 from jaxrunner.runner.input_batch import batch_order, block_table_rows, bucket, build_inputs, prefill_rows
 from jaxrunner.runner.request_table import RequestTable
 from jaxrunner.runner.step import SampleInputs, TokenInputs
-from jaxrunner.sampling import NO_LOGPROBS, PromptScoring, SamplerFlags, prompt_scoring
+from jaxrunner.sampling import NO_LOGPROBS, PromptScoring, SamplerFlags, mask_words, prompt_scoring
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.spec_decode.drafts import num_drafts
 from jaxrunner.step_io import NewRequestData, SchedulerOutput, decode_steps
@@ -146,28 +146,27 @@ def _scoring(table: RequestTable, order: tuple[str, ...], scheduled: dict[str, i
     return tuple(found)
 
 
-def warmup_plans(ctx: Context) -> list[StepPlan]:
-    """The plans of synthetic schedules that reach every program variant a runner can ask for: each
-    request bucket with each sampler variant (the new requests past a prefix-cache hit, so the row
-    writes come too), each token bucket in the backbone's general and decode forms, and each
-    multi-step decode batch. Warm-up compiles the programs these plans call, so what it compiles and
-    what serving runs come from one function, `prepare`."""
+def warmup_schedules(ctx: Context) -> list[SchedulerOutput]:
+    """Synthetic schedules that reach every program variant a runner can ask for, each for an empty
+    request table: each request bucket with each sampler variant (the new requests past a
+    prefix-cache hit, so the row writes come too; a structured variant with every token allowed),
+    each token bucket in the backbone's general and decode forms, and each multi-step decode batch.
+    Their requests share the blocks from 0 on, holding nothing a served request could read."""
     cfg = ctx.config
     groups = len(ctx.model.kv_cache_groups)
     blocks = [b % cfg.num_blocks for b in range(cfg.max_blocks_per_req)]  # room for any length
 
-    def plan(lengths: list[int], params: SamplingParams = SamplingParams(), computed: int = 0, num_steps: int = 1,
-             structured: bool = False) -> StepPlan:
+    def schedule(lengths: list[int], params: SamplingParams = SamplingParams(), computed: int = 0,
+                 num_steps: int = 1, structured: bool = False) -> SchedulerOutput:
         new = [NewRequestData(f"warmup-{i}", [1] * n, (blocks,) * groups, computed, params)
                for i, n in enumerate(lengths)]
         scheduled = {r.req_id: n - computed for r, n in zip(new, lengths)}
-        sched = SchedulerOutput(new, num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
-                                num_steps=num_steps,
-                                structured_output_request_ids={r.req_id: i for i, r in enumerate(new)} if structured else {})
-        empty = RequestTable.empty(cfg.max_num_seqs)
-        return prepare(empty, sched, ctx, np.random.default_rng(0), Adapters(ctx.model, cfg.lora))[1]
+        masks = np.full((len(new), mask_words(ctx.model.vocab_size)), -1, np.int32) if structured else None
+        return SchedulerOutput(new, num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+                               num_steps=num_steps, grammar_bitmask=masks,
+                               structured_output_request_ids={r.req_id: i for i, r in enumerate(new)} if structured else {})
 
-    plans = []
+    schedules = []
     largest_decode = min(cfg.max_num_seqs * ctx.queries_per_decode, cfg.max_num_batched_tokens)
     for t in reversed(cfg.token_buckets):  # the largest first: they compile slowest
         for decode in ctx.forward_forms(t):
@@ -175,18 +174,26 @@ def warmup_plans(ctx: Context) -> list[StepPlan]:
             total = min(t, largest_decode) if decode else t
             lengths = [size] * (total // size) + [total % size] * (total % size > 0)
             if len(lengths) <= cfg.max_num_seqs:  # else no batch lands in this bucket
-                plans.append(plan(lengths))
+                schedules.append(schedule(lengths))
     if cfg.num_scheduler_steps > 1:
         pairs = {}
         for n in range(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens) + 1):
             pairs.setdefault((bucket(n, cfg.token_buckets), bucket(n, cfg.request_buckets)), n)
         for n in sorted(pairs.values(), reverse=True):
             for flags in filter(ctx.loops, ctx.sampler_variants):
-                plans.append(plan([1] * n, _sampling_params(flags), num_steps=cfg.num_scheduler_steps))
+                schedules.append(schedule([1] * n, _sampling_params(flags), num_steps=cfg.num_scheduler_steps))
     for b in reversed(cfg.request_buckets):
         for flags in ctx.sampler_variants:
-            plans.append(plan([2] * b, _sampling_params(flags), computed=1, structured=flags.grammar))
-    return plans
+            schedules.append(schedule([2] * b, _sampling_params(flags), computed=1, structured=flags.grammar))
+    return schedules
+
+
+def warmup_plans(ctx: Context) -> list[StepPlan]:
+    """The plans of `warmup_schedules`, each prepared as a served step's is: warm-up compiles the
+    programs these call, so what it compiles and what serving runs come from one function, `prepare`."""
+    adapters = Adapters(ctx.model, ctx.config.lora)
+    return [prepare(RequestTable.empty(ctx.config.max_num_seqs), sched, ctx, np.random.default_rng(0), adapters)[1]
+            for sched in warmup_schedules(ctx)]
 
 
 def bucket_tiers(ctx: Context) -> list[Context]:

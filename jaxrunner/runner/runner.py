@@ -45,7 +45,7 @@ from jaxrunner.runner.input_batch import bucket
 from jaxrunner.runner.memory import kv_cache_bytes
 from jaxrunner.runner.parallel import make_mesh, place, shard_layout, sharded_config
 from jaxrunner.runner.pending_output import PendingOutput
-from jaxrunner.runner.plan import StepPlan, bucket_tiers, prepare
+from jaxrunner.runner.plan import StepPlan, bucket_tiers, prepare, warmup_schedules
 from jaxrunner.runner.programs import (
     DECODE_LOOP,
     FORWARD,
@@ -321,10 +321,25 @@ class Runner:
         if self._warming is not None:
             self._warming.join(timeout)
 
-    def run_copies_once(self, state: RunnerState) -> RunnerState:
-        """The state after every one of the host tier's copy programs ran, writing nothing
-        (`HostKV.run_each_once`): after `warmup`, before the first step. Without a host tier, `state`."""
-        return self.host_kv.run_each_once(state) if self.host_kv is not None else state
+    def run_each_once(self, state: RunnerState) -> RunnerState:
+        """A fresh state, once every step program of the buckets served now has run on warm-up's
+        synthetic schedules (`plan.warmup_schedules`), and each of the host tier's copy programs
+        (`HostKV.run_each_once`): after `warmup`, before the first step. A program's first run on a
+        GPU holds the host for tens of milliseconds beyond later runs (its kernels load), which the
+        first steps of serving would otherwise pay, between programs. The schedules wrote blocks and
+        table rows that no request owns, so their state is dropped, and the request table and seed
+        generator are as they were."""
+        for sched in warmup_schedules(self._serving):
+            self._table = RequestTable.empty(self.config.max_num_seqs)
+            state, pending = self.dispatch(state, sched)
+        pending.get()
+        if self.host_kv is not None:
+            state = self.host_kv.run_each_once(state)
+        self._table = RequestTable.empty(self.config.max_num_seqs)
+        self._rng = np.random.default_rng(self.config.seed)
+        jax.block_until_ready(state)
+        del state  # its pages freed before the fresh state's are made
+        return self.init_state()
 
     def stop_warmup(self) -> None:
         """End a background warm-up once the compiles it has started are done, and wait for that:
