@@ -45,23 +45,16 @@ def program_name(module: str) -> str:
 
 
 def read_trace(trace_dir: str) -> tuple[list[tuple[str, str, int, int]], list[str]]:
-    """(kernel name, program, start ns, end ns) of every kernel and copy, in start order; and the
-    names of the GPU's trace lines (to tell where the program names came from)."""
-    kernels, modules, lines = [], [], set()
+    """(kernel name, program, start ns, end ns) of every kernel and copy, in start order, the program
+    read from the kernel's `hlo_module` annotation ("(none)" for a copy between programs); and the
+    names of the GPU's trace lines."""
+    kernels, lines = [], set()
     for line, e in gpu_events(trace_dir):
         lines.add(line)
         if line.startswith("Stream"):
-            kernels.append((e.name, str(dict(e.stats).get("hlo_module", "")), int(e.start_ns), int(e.end_ns)))
-        elif line == "XLA Modules":
-            modules.append((int(e.start_ns), int(e.end_ns), e.name))
-    kernels.sort(key=lambda k: k[2])
-    if modules and not any(k[1] for k in kernels):  # no annotation on the kernels: the module running then
-        modules.sort()
-        starts = [m[0] for m in modules]
-        for j, (name, _, s, e) in enumerate(kernels):
-            i = max(0, int(np.searchsorted(starts, s, side="right")) - 1)
-            kernels[j] = (name, modules[i][2] if modules[i][0] <= s <= modules[i][1] else "", s, e)
-    return [(n, program_name(m), s, e) for n, m, s, e in kernels], sorted(lines)
+            module = str(dict(e.stats).get("hlo_module", ""))
+            kernels.append((e.name, program_name(module), int(e.start_ns), int(e.end_ns)))
+    return sorted(kernels, key=lambda k: k[2]), sorted(lines)
 
 
 def breakdown(kernels: list[tuple[str, str, int, int]], wall_s: float, top: int = 30) -> dict:
