@@ -36,6 +36,7 @@ GAPS_US = (5, 50, 500)  # the idle gaps' size classes
 
 
 def kernel_kind(name: str) -> str:
+    """A kernel's kind, by its name (KINDS): what the breakdown's columns count."""
     return next((kind for kind, pattern in KINDS if re.search(pattern, name)), "other (XLA fusions)")
 
 
@@ -60,7 +61,9 @@ def read_trace(trace_dir: str) -> tuple[list[tuple[str, str, int, int]], list[st
 def breakdown(kernels: list[tuple[str, str, int, int]], wall_s: float, top: int = 30) -> dict:
     """The run's GPU time by program and kind of kernel, its idle gaps by size and by the programs
     around them, and the kernels that take the most time; every figure in seconds of the whole run."""
-    by_program = collections.defaultdict(lambda: collections.Counter())
+    if not kernels:
+        raise SystemExit("the trace holds no GPU kernel: W2's profile needs a GPU")
+    by_program = collections.defaultdict(collections.Counter)
     by_kernel = collections.defaultdict(lambda: [0, 0])
     for name, program, s, e in kernels:
         by_program[program][kernel_kind(name)] += e - s
@@ -75,7 +78,7 @@ def breakdown(kernels: list[tuple[str, str, int, int]], wall_s: float, top: int 
             gap_classes[next((f"< {b} us" for b in GAPS_US if s - end < b * 1e3), f">= {GAPS_US[-1]} us")] += s - end
         if end is None or e > end:
             end, before = e, program
-    span = kernels[-1][3] - kernels[0][2]
+    span = max(k[3] for k in kernels) - kernels[0][2]
     busy = busy_ns([(n, s, e) for n, _, s, e in kernels])
     sec = lambda ns: round(ns / 1e9, 4)  # noqa: E731
     return {
@@ -98,6 +101,7 @@ def breakdown(kernels: list[tuple[str, str, int, int]], wall_s: float, top: int 
 
 
 def save(path: str, kernels: list[tuple[str, str, int, int]], wall_s: float) -> None:
+    """The kernels as arrays (names and programs by index), compressed: a W2 run's fits in a few MB."""
     names, name_ids = np.unique([k[0] for k in kernels], return_inverse=True)
     programs, program_ids = np.unique([k[1] for k in kernels], return_inverse=True)
     np.savez_compressed(path, names=names, name_ids=name_ids.astype(np.int32), programs=programs,
@@ -106,6 +110,7 @@ def save(path: str, kernels: list[tuple[str, str, int, int]], wall_s: float) -> 
 
 
 def load(path: str) -> tuple[list[tuple[str, str, int, int]], float]:
+    """The kernels and wall seconds `save` wrote."""
     f = np.load(path)
     names, programs = f["names"].tolist(), f["programs"].tolist()
     kernels = [(names[n], programs[p], int(s), int(e))

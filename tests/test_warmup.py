@@ -21,7 +21,8 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 from driver import drive
 
-from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams
+from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
+from jaxrunner.engine import engine as engine_module
 from jaxrunner.runner import programs as programs_table
 from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.checkpoints.loader import load_model
@@ -56,6 +57,7 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + 2 * (2 + 12 + 2)
     total = len(programs.warm)
     assert caplog.messages[-1].startswith(f"warm-up: {total} of {total} programs ready")
+    programs.asked.clear()  # warm-up ran each program once (`Runner.run_each_once`): what the workload asks for, from here
     prompts = ["Hello there, how are", "A longer prompt that needs a second chunk of tokens", "x", "Once upon a time"]
     outs = llm.generate(prompts, [dataclasses.replace(p, max_tokens=14) for p in MIXED], use_tqdm=False)
     plain = llm.generate(prompts[:2], SamplingParams(temperature=0.9, seed=5, max_tokens=14, logprobs=1), use_tqdm=False)
@@ -64,9 +66,13 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     # no drafts, no LoRA, no host tier here
     assert {key[0] for key in programs.asked} == KINDS - {"spec_sample", "write_lora", "gather_blocks", "stack_pieces", "scatter_blocks"}
     assert any(key[0] == "forward" and key[2] for key in programs.asked) == bool(decode_forms)
-    # warm-up's objects are out of the collector's way (a full collection walked them all) until the engine closes
+    # warm-up's objects are out of the collector's way (a full collection walked them all) until the
+    # last engine that froze them closes (a second one stands in here)
     assert gc.get_freeze_count() > len(gc.get_objects())
+    engine_module._freeze_objects()
     llm.close()
+    assert gc.get_freeze_count() > len(gc.get_objects())
+    engine_module._thaw_objects()
     assert gc.get_freeze_count() == 0
 
 
@@ -112,6 +118,10 @@ def test_each_step_program_runs_once_before_serving_and_leaves_nothing_behind(mo
     sampling = [SamplingParams(temperature=1.0), *MIXED[1:3]]
     assert drive(runner, prompts, 10, params=sampling, chunk=13) == drive(Runner(cfg, params, config), prompts, 10,
                                                                             params=sampling, chunk=13)
+    with pytest.raises(RuntimeError, match="before the first step"):  # it would drop a request's rows
+        runner.run_each_once(runner.step(state, SchedulerOutput(
+            [NewRequestData("r", [3, 4, 5], ([0],), 0, SamplingParams())], num_scheduled_tokens={"r": 3},
+            total_num_scheduled_tokens=3))[0])
 
 
 def test_a_background_warm_up_steps_with_the_buckets_ready_and_never_compiles_on_a_step(monkeypatch):

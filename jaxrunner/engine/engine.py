@@ -188,12 +188,8 @@ class LLMEngine:
                     "ran each once in %.1f s; KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"],
                     report["kv_sizing_seconds"], report["compiled"], report["compile_seconds"], report["lowering_seconds"],
                     report["first_runs_seconds"], report["kv_cache_blocks"], report["kv_cache_tokens"], report["kv_cache_gib"])
-        # Warm-up leaves hundreds of thousands of objects (traced programs, executables) that every
-        # full collection would walk, holding up a step's host work far longer than the step takes:
-        # they stay out of the collector's way until the engine goes (gc.freeze, as vLLM does).
-        gc.collect()
-        gc.freeze()
-        self._thaw = weakref.finalize(self, gc.unfreeze)
+        _freeze_objects()
+        self._thaw = weakref.finalize(self, _thaw_objects)
         self.warm = True
 
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
@@ -522,6 +518,28 @@ class LLMEngine:
             num_cached_tokens=max(parent.children[0].request.num_cached_tokens, 0),
             error="; ".join(errors) or None,
         )
+
+
+_frozen_by = 0  # open engines that froze the collector's objects: the last to go hands them back
+
+
+def _freeze_objects() -> None:
+    """Warm-up leaves hundreds of thousands of objects (traced programs, executables) that every
+    full collection would walk, holding up a step's host work far longer than the step takes: they
+    stay out of the collector's way (gc.freeze, as vLLM does) until the last engine that froze them
+    goes. The freeze is the process's; objects alive now that later become garbage in a cycle wait
+    for that too."""
+    global _frozen_by
+    gc.collect()
+    gc.freeze()
+    _frozen_by += 1
+
+
+def _thaw_objects() -> None:
+    global _frozen_by
+    _frozen_by -= 1
+    if _frozen_by == 0:
+        gc.unfreeze()
 
 
 def _wait_for(in_flight: deque[PendingOutput], runner: Runner) -> None:

@@ -322,17 +322,19 @@ class Runner:
             self._warming.join(timeout)
 
     def run_each_once(self, state: RunnerState) -> RunnerState:
-        """A fresh state, once every step program of the buckets served now has run on warm-up's
-        synthetic schedules (`plan.warmup_schedules`), and each of the host tier's copy programs
-        (`HostKV.run_each_once`): after `warmup`, before the first step. A program's first run on a
-        GPU holds the host for tens of milliseconds beyond later runs (its kernels load), which the
-        first steps of serving would otherwise pay, between programs. The schedules wrote blocks and
+        """A fresh state, once every program a step of the buckets served now can run has run on
+        warm-up's synthetic schedules (`plan.warmup_schedules`), and each of the host tier's copy
+        programs (`HostKV.run_each_once`): after `warmup`, before the first step. A program's first
+        run on a GPU holds the host for tens of milliseconds beyond later runs (its kernels load),
+        which the first steps of serving would otherwise pay, between programs. Prompt logprobs' and
+        LoRA slot writes' programs are left to their first use. The schedules wrote blocks and
         table rows that no request owns, so their state is dropped, and the request table and seed
         generator are as they were."""
+        if self._table.rows or self._forwarded is not None:
+            raise RuntimeError("run_each_once runs before the first step: this runner has requests")
         for sched in warmup_schedules(self._serving):
             self._table = RequestTable.empty(self.config.max_num_seqs)
-            state, pending = self.dispatch(state, sched)
-        pending.get()
+            state, _ = self.dispatch(state, sched)
         if self.host_kv is not None:
             state = self.host_kv.run_each_once(state)
         self._table = RequestTable.empty(self.config.max_num_seqs)
