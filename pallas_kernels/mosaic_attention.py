@@ -8,16 +8,22 @@ each) and one producer warpgroup streams that head's keys and values through sha
 `stages` key blocks in flight. The kernel is persistent: one CTA per SM walks its share of the
 (work item, head) pairs, and its producer runs on into the next pair's blocks while the consumers
 finish the last, so a short sequence's few blocks do not each pay a CTA's start and its pipeline's
-fill. A key block is `block_k` keys: one TMA copy per page of the block
-table, all arriving on the block's barrier, so any page size that divides the block works. Each
+fill. The pairs are dealt by their key blocks, most first and in snake order (`deal`), so every CTA
+streams about as many blocks as the others, and the work list's unused rows are dealt to none.
+A key block is `block_k` keys: one TMA copy per page of the block table, all arriving on the
+block's barrier, so any page size that divides the block works. Each
 consumer multiplies its queries by the block's keys, runs the online softmax in registers (base 2,
 the scale folded in), and multiplies the probabilities by the values through shared memory; it
 then frees the slot for the producer. The queries come straight from the token-major `q` and the
-output goes straight to its rows, so XLA moves no tile-major copies around the kernel: a TMA copy
+output goes straight to its rows, so XLA moves no tile-major copies around the kernel. A TMA copy
 into swizzled shared memory must start at a multiple of its 8-row tiling, and a sequence's tokens
-start anywhere, so a consumer reads its 64 query rows from global memory into registers (a tile at
-the batch's end is moved back to fit, its first rows another sequence's) and stores its output
-rows through unswizzled shared memory in TMA copies of 64, 32, ... 1 rows, as many as it owns.
+start anywhere, so the work items are a sequence's share of windows of 128 tokens aligned to 8 in
+the batch (`work_list(align=8)`: a sequence's first item is short by its start's remainder, and the
+window's first rows are another sequence's): a consumer copies its 64 rows of the next pair's
+window into the other of two query buffers as it starts a pair, and stores its output rows through
+unswizzled shared memory (the bytes of the pair's queries) in TMA copies of 64, 32, ... 1 rows, as
+many as it owns. Read from global memory through registers instead, the queries stalled every
+pair's start (docs/benchmarks.md).
 
 Sequences with fewer than `DECODE_QUERIES` query tokens (decodes in a mixed batch) go to the Triton
 kernel instead, in the same call, which writes their rows into this kernel's output: a tile here
@@ -50,6 +56,7 @@ CONSUMERS = 2
 TILE_ROWS = CONSUMERS * WG_ROWS  # query tokens per work item
 LOG2E = math.log2(math.e)
 DECODE_QUERIES = 16  # sequences with fewer query tokens run the Triton kernel
+ALIGN = 8  # rows of a tile of the swizzled shared memory: where a TMA copy into it may start
 SHARED_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 NUM_CTAS = 132  # CTAs that walk the work, one per SM of an H100 or H200
 
@@ -73,17 +80,19 @@ class MosaicConfig:
 def supported(q: jax.Array, k_cache: jax.Array, config: MosaicConfig = MosaicConfig()) -> bool:
     """Whether `mosaic_prefill_attention` takes this call."""
     head_dim, block_size = q.shape[2], k_cache.shape[1]
-    return (q.dtype == k_cache.dtype == jnp.bfloat16 and head_dim in (64, 128, 256) and q.shape[0] >= WG_ROWS
+    return (q.dtype == k_cache.dtype == jnp.bfloat16 and head_dim in (64, 128) and q.shape[0] >= WG_ROWS
+            and q.shape[0] % ALIGN == 0
             and config.block_k % 64 == 0 and config.block_k % block_size == 0
             and q.shape[1] % k_cache.shape[2] == 0 and shared_bytes(head_dim, config) <= SHARED_BYTES)
 
 
 def shared_bytes(head_dim: int, config: MosaicConfig) -> int:
-    """A CTA's shared memory: its queries (their bytes hold the output after), the key and value
-    blocks in flight, and the probabilities unless they stay in registers."""
+    """A CTA's shared memory: two pairs' queries (this pair's, whose bytes then hold its output, and
+    the next's as they arrive), the key and value blocks in flight, and the probabilities unless
+    they stay in registers."""
     rows = CONSUMERS * WG_ROWS
     probabilities = 0 if config.registers else rows * config.block_k
-    return 2 * (rows * head_dim + 2 * config.stages * config.block_k * head_dim + probabilities)
+    return 2 * (2 * rows * head_dim + 2 * config.stages * config.block_k * head_dim + probabilities)
 
 
 def mosaic_prefill_attention(
@@ -119,12 +128,45 @@ def mosaic_prefill_attention(
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
     # the rows of sequences with fewer queries are left unwritten here, and the Triton kernel's then
     work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=q.shape[0], block_q=TILE_ROWS,
-                     queries=(decode_queries, ALL_QUERIES[1]))
+                     queries=(decode_queries, ALL_QUERIES[1]), align=ALIGN)
     out = _kernel_call(work, q, k_cache, v_cache, block_tables.astype(jnp.int32), sm_scale, sliding_window, soft_cap,
                        config, interpret, num_ctas)
     if not decode_queries:
         return out
     return ragged_paged_attention(*args, **options, queries=(0, decode_queries), into=out)
+
+
+def key_blocks(first, end, pos0, block_k: int, sliding_window: int | None) -> tuple:
+    """A work item's key blocks [first_step, first_step + count): keys 0 .. its last query's position
+    (none for an unused or padding row), from the block of its first query's first key under a
+    window. On the work list's columns in XLA, on one row's scalars in the kernel."""
+    steps = jnp.maximum(cdiv(pos0 + end - first, block_k), 0)
+    if sliding_window is None:
+        return 0, steps
+    first_step = jnp.minimum(lax.div(jnp.maximum(pos0 - sliding_window + 1, 0), block_k), steps)
+    return first_step, steps - first_step
+
+
+def by_key_blocks(work: jax.Array, block_k: int, sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
+    """The work list with its items in order of key blocks, most first, then the padding row, then
+    the unused rows; and the number of items before those (the used ones)."""
+    _, count = key_blocks(work[:, 1], work[:, 2], work[:, 3], block_k, sliding_window)
+    used = work[:, 2] > work[:, 1]  # the padding row has tokens (it writes their zeros) and no keys
+    order = jnp.argsort(jnp.where(used, -count, 1), stable=True)
+    return work[order], used.sum(dtype=jnp.int32)
+
+
+def deal(cta, n, num_pairs, num_ctas: int):
+    """The CTA's n-th pair (an index into the sorted pairs), and how many pairs it gets. Round n
+    deals pairs [n * num_ctas, (n + 1) * num_ctas), to the CTAs in order in even rounds and in reverse
+    in odd ones: as the pairs come with ever fewer key blocks, a CTA dealt a round's heaviest pair
+    gets the next round's lightest."""
+    def seat(round_):
+        return jnp.where(round_ % 2 == 0, cta, num_ctas - 1 - cta)
+
+    last = cdiv(num_pairs, num_ctas) - 1
+    mine = last + jnp.where(seat(last) < num_pairs - last * num_ctas, 1, 0)
+    return n * num_ctas + seat(n), mine
 
 
 def _transforms(cols: int) -> tuple:
@@ -141,46 +183,55 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
     block_k, stages = config.block_k, config.stages
     pages = block_k // block_size
     max_pages = block_tables.shape[1]
-    num_work = work.shape[0]
-    num_ctas = min(num_ctas, num_work * num_q_heads)
+    num_ctas = min(num_ctas, work.shape[0] * num_q_heads)
     scale = sm_scale * LOG2E
+    work, num_items = by_key_blocks(work, block_k, sliding_window)
 
-    def kernel(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped):
-        ((q_smem, o_smem), k_smem, v_smem, p_smem), (k_bar, v_bar), (k_free, v_free), turns = scoped
+    def kernel(work_gmem, items_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped):
+        ((q_smem, o_smem), k_smem, v_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free), turns = scoped
         cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
-        num_pairs = cdiv(num_work * num_q_heads - cta, num_ctas)  # this CTA's (work item, head) pairs
+        _, num_pairs = deal(cta, 0, items_gmem[0] * num_q_heads, num_ctas)  # this CTA's (work item, head) pairs
 
         def pair(n):
             """This CTA's n-th pair: its head, sequence, tokens [first, end), first position, and its
             key blocks [first_step, first_step + count)."""
-            p = cta + n * num_ctas
-            # the last items first: a sequence's last tiles see the most keys, so they should not be the tail
-            item, head = num_work - 1 - lax.div(p, num_q_heads), lax.rem(p, num_q_heads)
+            p, _ = deal(cta, n, items_gmem[0] * num_q_heads, num_ctas)
+            item, head = lax.div(p, num_q_heads), lax.rem(p, num_q_heads)
             seq, first, end, pos0 = (work_gmem[item, i] for i in range(4))
-            # keys 0 .. the tile's last query position; none for an unused or padding item
-            num_steps = jnp.maximum(cdiv(pos0 + end - first, block_k), 0)
-            first_step = 0  # with a window, from the block of the tile's first query's first key
-            if sliding_window is not None:
-                first_step = jnp.minimum(lax.div(jnp.maximum(pos0 - sliding_window + 1, 0), block_k), num_steps)
-            return head, seq, first, end, pos0, first_step, num_steps - first_step
+            return head, seq, first, end, pos0, *key_blocks(first, end, pos0, block_k, sliding_window)
 
         def take_turns():
             plgpu.barrier_arrive(turns)
             plgpu.barrier_wait(turns)
+
+        def owned_rows(first, end):
+            """The first token of this consumer's 64 rows of a work item's window (moved back to fit at
+            the batch's end), and the tokens [start, start + owned) of the item's [first, end) it owns."""
+            window = first - lax.rem(first, ALIGN) + wg * WG_ROWS
+            start = jnp.maximum(first, window)
+            # a multiple of 8, as the window is and `supported` makes T: a TMA copy into the tiles may start there
+            rows = pl.multiple_of(jnp.minimum(window, num_tokens - WG_ROWS), ALIGN)
+            return rows, start, jnp.clip(jnp.minimum(end, window + WG_ROWS) - start, 0, WG_ROWS)
+
+        def fetch_queries(n):
+            """Pair n's query rows into buffer n % 2."""
+            head, _, first, end, *_ = pair(n)
+            rows, _, _ = owned_rows(first, end)
+            buf = lax.rem(n, 2)
+            plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(rows, WG_ROWS), head], q_smem.at[buf, wg],
+                                    q_bar.at[buf * CONSUMERS + wg])
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
             def consume(n, done):
                 """Pair n, its blocks the `done + i`-th this CTA streams; the blocks streamed after it."""
                 head, _, first, end, pos0, first_step, count = pair(n)
-                # this warpgroup owns tokens [start, start + owned); its 64 rows start `back` rows earlier
-                start = first + wg * WG_ROWS
-                owned = jnp.clip(end - start, 0, WG_ROWS)
-                back = start - jnp.minimum(start, num_tokens - WG_ROWS)  # <= 64 - owned where it owns any
-                q_smem[wg] = plgpu.load(q_gmem.at[pl.ds(start - back, WG_ROWS), head], layout=plgpu.Layout.WGMMA,
-                                        optimized=False)
-                plgpu.commit_smem()
-                row_pos = pos0 + wg * WG_ROWS - back + plgpu.broadcasted_iota(
+                rows, start, owned = owned_rows(first, end)
+                buf = lax.rem(n, 2)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last pair's output has left the other buffer
+                pl.when(n + 1 < num_pairs)(lambda: fetch_queries(n + 1))
+                plgpu.barrier_wait(q_bar.at[buf * CONSUMERS + wg])
+                row_pos = pos0 + rows - first + plgpu.broadcasted_iota(
                     jnp.int32, (WG_ROWS, block_k), 0, layout=plgpu.Layout.WGMMA)
                 key_col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
 
@@ -198,7 +249,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                     plgpu.barrier_wait(k_bar.at[slot])
 
                     def scores(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
+                        plgpu.wgmma(acc_ref, q_smem.at[buf, wg], k_smem.at[slot].T)
                         if config.pingpong:  # issued: the other consumer's turn
                             take_turns()
                         plgpu.wgmma_wait(0)
@@ -250,7 +301,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                         plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), rows_layout),
                         plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), rows_layout))
                 # blocks every row of this warpgroup sees whole need no mask; the diagonal's (and a window's) do
-                whole = 0 if sliding_window is not None else jnp.clip(lax.div(pos0 + wg * WG_ROWS + 1, block_k), 0, count)
+                whole = 0 if sliding_window is not None else jnp.clip(lax.div(pos0 + start - first + 1, block_k), 0, count)
                 if config.pingpong:
                     pl.when(wg == 1)(take_turns)  # the first consumer goes first
                 carry = lax.fori_loop(0, whole, functools.partial(step, masked=False), init)
@@ -258,19 +309,20 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                 if config.pingpong:
                     pl.when(wg == 0)(take_turns)  # as many turns taken by each
                 l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # padding rows: zeros
-                o_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
+                o_smem[buf, wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
                 plgpu.commit_smem()
                 for size in (WG_ROWS >> b for b in range(WG_ROWS.bit_length())):  # `owned` rows as 64 + 32 + ... + 1
                     at = owned & -2 * size  # the rows the larger copies took
 
                     @pl.when(owned & size != 0)
                     def _():
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(back + at, size)],
+                        plgpu.copy_smem_to_gmem(o_smem.at[buf, wg, pl.ds(start - rows + at, size)],
                                                 out_gmem.at[pl.ds(start + at, size), head])
-                plgpu.wait_smem_to_gmem(0)  # the next pair's queries take these bytes
                 return done + count
 
+            pl.when(num_pairs > 0)(lambda: fetch_queries(0))
             lax.fori_loop(0, num_pairs, consume, jnp.int32(0))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         @pl.when(wg == CONSUMERS)
         def _producer():
@@ -305,20 +357,21 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                 plgpu.barrier_wait(k_free.at[lax.rem(i, stages)])
                 plgpu.barrier_wait(v_free.at[lax.rem(i, stages)])
 
-    def entry(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem):
-        rows = _transforms(head_dim)
+    def entry(work_gmem, items_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem):
+        tiled = _transforms(head_dim)
         # a consumer's output rows take its queries' bytes: both members have one shape, consumer first,
         # and a consumer writes its output after its last product read its queries
-        queries_then_output = plgpu.RefUnion(plgpu.SMEM((CONSUMERS, WG_ROWS, head_dim), jnp.bfloat16, transforms=rows),
-                                             plgpu.SMEM((CONSUMERS, WG_ROWS, head_dim), jnp.bfloat16))
+        queries_then_output = plgpu.RefUnion(plgpu.SMEM((2, CONSUMERS, WG_ROWS, head_dim), jnp.bfloat16, transforms=tiled),
+                                             plgpu.SMEM((2, CONSUMERS, WG_ROWS, head_dim), jnp.bfloat16))
         pl.run_scoped(
-            lambda *scoped: kernel(work_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped),
+            lambda *scoped: kernel(work_gmem, items_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped),
             (queries_then_output,
-             plgpu.SMEM((stages, block_k, head_dim), jnp.bfloat16, transforms=rows),
-             plgpu.SMEM((stages, block_k, head_dim), jnp.bfloat16, transforms=rows),
+             plgpu.SMEM((stages, block_k, head_dim), jnp.bfloat16, transforms=tiled),
+             plgpu.SMEM((stages, block_k, head_dim), jnp.bfloat16, transforms=tiled),
              () if config.registers else  # the probabilities' round trip through shared memory
              plgpu.SMEM((CONSUMERS, WG_ROWS, block_k), jnp.bfloat16, transforms=_transforms(block_k))),
-            (plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+            (plgpu.Barrier(num_barriers=2 * CONSUMERS),
+             plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages, num_barriers=stages)),
             (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=CONSUMERS),
@@ -334,4 +387,4 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(work, q, k_cache, v_cache, block_tables)
+    )(work, num_items[None], q, k_cache, v_cache, block_tables)

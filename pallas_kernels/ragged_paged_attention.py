@@ -192,15 +192,19 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num
 
 
 def work_list(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q: int,
-              queries: tuple[int, int] = ALL_QUERIES) -> jax.Array:
+              queries: tuple[int, int] = ALL_QUERIES, align: int = 1) -> jax.Array:
     """Cut every sequence's queries into blocks of <= block_q tokens: [num_work, 4] int32 rows of
     (sequence, first token, end token, position of the first token). Only sequences with
-    `queries` = [lo, hi) query tokens get blocks (another kernel takes the others).
+    `queries` = [lo, hi) query tokens get blocks (another kernel takes the others). With `align`,
+    the blocks are the sequence's share of windows of block_q tokens that start at multiples of
+    `align` in the batch (its first block is short by its start's remainder), so that a kernel can
+    copy a block's window with TMA into tiled shared memory.
 
     The padding tail [total, T) is one more pseudo-sequence with no keys, so its tokens get zeros.
-    The list has a static length bounding the real count: ceil(T/block_q) + S + 1 (each sequence
-    adds at most one partial block) and T (each block holds a token); unused rows are empty. It
-    depends only on the batch layout, so XLA computes it once for all the layers of a step (CSE).
+    The list has a static length bounding the real count: ceil((T + (align - 1)(S + 1))/block_q) +
+    S + 1 (each sequence adds at most one partial block, and its start's remainder) and T (each
+    block holds a token); unused rows are empty. It depends only on the batch layout, so XLA
+    computes it once for all the layers of a step (CSE).
     """
     num_slots = seq_lens.shape[0]
     qsl = query_start_loc.astype(jnp.int32)
@@ -211,18 +215,20 @@ def work_list(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, block_q: 
     kv_lens = jnp.append(jnp.where(live, seq_lens.astype(jnp.int32), 0), 0)
     if queries != ALL_QUERIES:
         lens = jnp.where((lens >= queries[0]) & (lens < queries[1]), lens, 0)
-    blocks = cdiv(lens, block_q)
+    lead = starts % align  # tokens of the first window before the sequence's start
+    blocks = jnp.where(lens > 0, cdiv(lead + lens, block_q), 0)
     ends = jnp.cumsum(blocks)
-    num_work = min(num_tokens, cdiv(num_tokens, block_q) + num_slots + 1)
+    num_work = min(num_tokens, cdiv(num_tokens + (align - 1) * (num_slots + 1), block_q) + num_slots + 1)
     w = jnp.arange(num_work, dtype=jnp.int32)
     # compare_all: one fused comparison instead of a loop of tiny kernels on the GPU.
     seq = jnp.searchsorted(ends, w, side="right", method="compare_all")
     seq = jnp.minimum(seq, num_slots).astype(jnp.int32)
     used = w < ends[-1]
     i = w - (ends[seq] - blocks[seq])
-    q_start = starts[seq] + i * block_q
-    q_end = jnp.minimum(q_start + block_q, starts[seq] + lens[seq])
-    pos0 = kv_lens[seq] - lens[seq] + i * block_q
+    window = starts[seq] - lead[seq] + i * block_q
+    q_start = jnp.maximum(window, starts[seq])
+    q_end = jnp.minimum(window + block_q, starts[seq] + lens[seq])
+    pos0 = kv_lens[seq] - lens[seq] + q_start - starts[seq]
     table_row = jnp.where(seq < num_slots, seq, 0)
     return jnp.stack([
         jnp.where(used, table_row, 0),

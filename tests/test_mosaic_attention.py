@@ -17,12 +17,14 @@ from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.models import attention
 from jaxrunner.platform import H200
 from pallas_kernels import MosaicConfig, mosaic_prefill_attention, reference_ragged_paged_attention
-from pallas_kernels.mosaic_attention import supported
+from pallas_kernels.mosaic_attention import ALIGN, by_key_blocks, deal, key_blocks, supported
+from pallas_kernels.ragged_paged_attention import work_list
 from tests.driver import drive
 
 
-def ragged_batch(rng, q_lens, contexts, *, heads=(4, 2), head_dim=64, block_size=16, padding=5):
-    """A packed batch: sequence s's last q_lens[s] of contexts[s] tokens, pages shuffled over the pool."""
+def ragged_batch(rng, q_lens, contexts, *, heads=(4, 2), head_dim=64, block_size=16):
+    """A packed batch: sequence s's last q_lens[s] of contexts[s] tokens, pages shuffled over the pool;
+    padding tokens up to a multiple of 8, as the runner's token buckets are."""
     num_q_heads, num_kv_heads = heads
     pages = [-(-c // block_size) for c in contexts]
     num_blocks = sum(pages) + 3
@@ -32,7 +34,7 @@ def ragged_batch(rng, q_lens, contexts, *, heads=(4, 2), head_dim=64, block_size
     for s, n in enumerate(pages):
         tables[s, :n] = order[used : used + n]
         used += n
-    tokens = sum(q_lens) + padding
+    tokens = -(-(sum(q_lens) + 1) // 8) * 8
     q = jnp.asarray(rng.standard_normal((tokens, num_q_heads, head_dim)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim)), jnp.bfloat16)
             for _ in range(2))
@@ -66,19 +68,63 @@ def test_matches_the_reference_interpreted(block_k, head_dim, block_size, heads,
     assert not np.asarray(got, np.float32)[221:].any()  # the padding tokens
 
 
+def test_work_items_fit_windows_aligned_to_8():
+    """Each item's tokens lie in one window of 128 starting at a multiple of 8, the items cover every
+    token once (the padding's too), and each starts at its token's position."""
+    rng = np.random.default_rng(7)
+    q_lens = rng.integers(1, 300, 9)
+    contexts = q_lens + rng.integers(0, 500, 9)
+    tokens = -(-(q_lens.sum() + 1) // 8) * 8
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    work = np.asarray(work_list(jnp.asarray(qsl, jnp.int32), jnp.asarray(contexts, jnp.int32), jnp.int32(9),
+                                num_tokens=int(tokens), block_q=128, align=ALIGN))
+    seq, first, end, pos0 = work[work[:, 2] > work[:, 1]].T
+    assert np.all(end <= first - first % ALIGN + 128)
+    assert sorted(t for a, b in zip(first, end) for t in range(a, b)) == list(range(tokens))
+    real = first < qsl[-1]
+    np.testing.assert_array_equal(pos0[real], (contexts - q_lens)[seq[real]] + first[real] - qsl[seq[real]])
+
+
+@pytest.mark.parametrize("num_pairs, num_ctas", [(2048, 132), (131, 132), (133, 132), (7, 3), (0, 5)])
+def test_every_pair_is_dealt_once(num_pairs, num_ctas):
+    dealt = [int(deal(cta, n, num_pairs, num_ctas)[0]) for cta in range(num_ctas)
+             for n in range(int(deal(cta, 0, num_pairs, num_ctas)[1]))]
+    assert sorted(dealt) == list(range(num_pairs))
+
+
+@pytest.mark.parametrize("num_seqs, seq_len", [(1, 8192), (16, 512), (5, 1000)])
+def test_each_cta_gets_about_as_many_key_blocks(num_seqs, seq_len):
+    """The benchmark's cases at 32 heads, 128-row tiles and 128-key blocks over an H100's 132 SMs: the
+    busiest CTA streams within 5% of the mean (dealt in the work list's order, round-robin, the
+    busiest of 16 x 512 streamed 1.4x the mean), and the unused rows of the list are dealt to none."""
+    heads, tiles, ctas = 32, 128, 132
+    qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32) * seq_len
+    lens = jnp.full((num_seqs,), seq_len, jnp.int32)
+    work, num_items = by_key_blocks(work_list(qsl, lens, jnp.int32(num_seqs), num_tokens=num_seqs * seq_len + 8,
+                                              block_q=tiles, align=ALIGN), 128, None)
+    assert int(num_items) == num_seqs * -(-seq_len // tiles) + 1  # and the padding tokens' row
+    _, blocks = key_blocks(work[:, 1], work[:, 2], work[:, 3], 128, None)
+    per_pair = np.repeat(np.asarray(blocks), heads)
+    streamed = [sum(per_pair[int(deal(cta, n, int(num_items) * heads, ctas)[0])]
+                    for n in range(int(deal(cta, 0, int(num_items) * heads, ctas)[1]))) for cta in range(ctas)]
+    assert max(streamed) <= 1.05 * per_pair.sum() / ctas
+
+
 def test_takes_only_what_it_supports():
     q = jnp.zeros((64, 4, 128), jnp.bfloat16)
     pages = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
     assert supported(q, pages)
     assert not supported(q[:63], pages)  # fewer tokens than a warpgroup reads
+    assert not supported(jnp.zeros((68, 4, 128), jnp.bfloat16), pages)  # a last window would not start at a multiple of 8
     assert not supported(q, pages.astype(jnp.float8_e4m3fn))  # fp8 pages: the Triton kernel's
     assert not supported(q, pages, MosaicConfig(block_k=48))
-    # three blocks of 128 keys in flight fit only where the probabilities stay in registers
-    assert supported(q, pages, MosaicConfig(block_k=128, stages=3, registers=True))
+    # two blocks of 128 keys in flight fit, three do not
+    assert supported(q, pages, MosaicConfig(block_k=128, stages=2, registers=True))
+    assert not supported(q, pages, MosaicConfig(block_k=128, stages=3, registers=True))
     assert not supported(q, pages, MosaicConfig(block_k=128, stages=3))
-    wide = jnp.zeros((64, 4, 256), jnp.bfloat16)  # D = 256: 128 keys a block overflow shared memory, 64 fit
-    assert not supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), MosaicConfig(block_k=128))
-    assert supported(wide, jnp.zeros((4, 16, 2, 256), jnp.bfloat16), MosaicConfig(block_k=64))
+    # D = 256: the Triton kernel's (the queries' two buffers and two blocks of 64 keys would overflow shared memory)
+    wide = jnp.zeros((64, 4, 256), jnp.bfloat16), jnp.zeros((4, 16, 2, 256), jnp.bfloat16)
+    assert not supported(*wide) and not supported(*wide, MosaicConfig(registers=True))
     with pytest.raises(ValueError, match=r"registers=True\) cannot run in interpret mode"):
         mosaic_prefill_attention(q, pages, pages, jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32),
                                  jnp.zeros((1, 2), jnp.int32), jnp.int32(1), sm_scale=1.0, interpret=True,
@@ -115,12 +161,11 @@ def test_the_runner_attends_through_it_with_kernels_mosaic(monkeypatch):
 
 @pytest.mark.parametrize("num_seqs, seq_len, block_k, stages, registers, window, cap", [
     (1, 8192, 64, 2, False, None, None), (16, 512, 128, 2, False, None, None), (1, 8192, 64, 2, True, None, None),
-    (16, 512, 128, 3, True, None, None), (1, 8192, 64, 2, True, 4096, 30.0)])
+    (16, 512, 64, 3, True, None, None), (1, 8192, 64, 2, True, 4096, 30.0)])
 @pytest.mark.parametrize("pingpong", [False, True])
 def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k, stages, registers, window, cap, pingpong):
     """The benchmark's cases (`benchmarks/attention.py`): 32 query heads, 8 KV heads, D = 128, page 16;
-    FlashAttention-3's register form too (with no probabilities in shared memory, three 128-key
-    blocks in flight fit), which only lowering checks off a GPU; a window and a soft-cap."""
+    FlashAttention-3's register form too, which only lowering checks off a GPU; a window and a soft-cap."""
     tokens, pages = num_seqs * seq_len, num_seqs * seq_len // 16
     args = (jax.ShapeDtypeStruct((tokens, 32, 128), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((pages, 16, 8, 128), jnp.bfloat16)] * 2,
@@ -136,7 +181,7 @@ def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k, stages
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_k, stages, registers, pingpong, window, cap", [
     (64, 2, False, False, None, None), (128, 2, False, False, None, None), (64, 3, False, False, None, None),
-    (64, 2, True, False, None, None), (128, 2, True, False, None, None), (128, 3, True, False, None, None),
+    (64, 2, True, False, None, None), (128, 2, True, False, None, None), (64, 3, True, False, None, None),
     (64, 2, False, True, None, None),
     (64, 2, True, True, None, None), (64, 2, True, True, 512, 30.0),
 ])
@@ -153,10 +198,8 @@ def test_compiled_on_the_gpu_matches_the_reference(block_k, stages, registers, p
 
 
 def test_the_runner_takes_the_sweeps_fastest_form_on_a_gpu():
-    """Blocks of 128 keys with P in registers on a GPU (docs/benchmarks.md's sweep), where shared
-    memory holds them (heads of 128, not of 256); interpreted, the form the interpreter runs."""
+    """Blocks of 128 keys with P in registers on a GPU (docs/benchmarks.md's sweep); interpreted, the
+    form the interpreter runs."""
     q, pages = jax.ShapeDtypeStruct((256, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 16, 8, 128), jnp.bfloat16)
     assert attention.mosaic_config(q, pages, interpret=False) == MosaicConfig(block_k=128, registers=True)
     assert attention.mosaic_config(q, pages, interpret=True) == MosaicConfig()
-    wide = jax.ShapeDtypeStruct((256, 8, 256), jnp.bfloat16), jax.ShapeDtypeStruct((64, 16, 4, 256), jnp.bfloat16)
-    assert attention.mosaic_config(*wide, interpret=False) == MosaicConfig()
