@@ -21,6 +21,8 @@ Sections (all bf16, Llama-3-8B heads: 32 query heads, 8 KV heads, D=128, page si
   them in tiles of their own);
 - --prefill alone: the prefill and mixed sections and (unless --no-sweep) a sweep of the Mosaic
   kernel's tilings;
+- --profile DIR alone: the Mosaic kernel at 16 x 512 under Mosaic GPU's profiler, each named phase's
+  time per warpgroup (traces in DIR);
 - --w1-sweep alone: decode tilings for one sequence at 129 and 385 keys (W1's short contexts, the
   query padded to 16 tokens as the runner pads it), and the default at 64 x 4k.
 
@@ -37,7 +39,9 @@ is printed at the end and written to $OUT/attention.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
+import glob
 import json
 import math
 import os
@@ -218,11 +222,9 @@ def decode_case(batch: int, context: int, copy_gbps: float, configs: dict[str, K
 
 # ----------------------------------------------------------------------------------- prefill
 
-def prefill_case(num_seqs: int, seq_len: int, configs: dict[str, KernelConfig | MosaicConfig] | None = None):
-    case = f"{num_seqs} x {seq_len}"
+def _prefill_inputs(num_seqs: int, seq_len: int):
+    """num_seqs whole prompts of seq_len tokens: q, the pages, their tables, query_start_loc, seq_lens."""
     tokens = num_seqs * seq_len
-    flops = 4 * NUM_Q_HEADS * HEAD_DIM * num_seqs * seq_len * (seq_len + 1) / 2  # causal
-    est = flops / 300e12
     rng = np.random.default_rng(tokens + num_seqs)
     pages_per_seq = seq_len // PAGE
     num_pages = num_seqs * pages_per_seq
@@ -231,6 +233,14 @@ def prefill_case(num_seqs: int, seq_len: int, configs: dict[str, KernelConfig | 
     q = jax.random.normal(jax.random.key(2), (tokens, NUM_Q_HEADS, HEAD_DIM), DTYPE)
     qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32) * seq_len
     lens = jnp.full((num_seqs,), seq_len, jnp.int32)
+    return q, k_cache, v_cache, tables, qsl, lens
+
+
+def prefill_case(num_seqs: int, seq_len: int, configs: dict[str, KernelConfig | MosaicConfig] | None = None):
+    case = f"{num_seqs} x {seq_len}"
+    flops = 4 * NUM_Q_HEADS * HEAD_DIM * num_seqs * seq_len * (seq_len + 1) / 2  # causal
+    est = flops / 300e12
+    q, k_cache, v_cache, tables, qsl, lens = _prefill_inputs(num_seqs, seq_len)
     rate = lambda t: dict(time_us=t * 1e6, tflops=flops / t / 1e12)
 
     def ours(config=None):
@@ -306,6 +316,35 @@ def mixed_case(chunk: int, decodes: int, context: int):
 
 
 # ---------------------------------------------------------------------------------- kv write
+
+def profile_case(num_seqs: int, seq_len: int, profile_dir: str) -> None:
+    """The Mosaic kernel once under Mosaic GPU's profiler, then each named phase's time summed over the
+    run, per warpgroup (`mosaic_attention`'s scopes; warpgroups 0 and 1 consume, 2 produces)."""
+    q, k_cache, v_cache, tables, qsl, lens = _prefill_inputs(num_seqs, seq_len)
+    os.makedirs(profile_dir, exist_ok=True)
+    before = set(glob.glob(os.path.join(profile_dir, "*-trace.json")))
+    jax.block_until_ready(jax.jit(functools.partial(
+        mosaic_prefill_attention, sm_scale=SCALE, config=mosaic_config(q, k_cache, interpret=False),
+        profile_dir=profile_dir))(q, k_cache, v_cache, qsl, lens, tables, jnp.int32(num_seqs)))
+    jax.effects_barrier()
+    [trace] = set(glob.glob(os.path.join(profile_dir, "*-trace.json"))) - before
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    opened, total, times = {}, collections.defaultdict(float), collections.defaultdict(list)
+    for event in events:
+        role = "producer" if (event["tid"] - 1) % 3 == 2 else "consumer"
+        key = (event["tid"], event["name"])
+        if event["ph"] == "B":
+            opened[key] = event["ts"]
+        else:
+            total[role, event["name"]] += event["ts"] - opened.pop(key)
+        times[event["pid"]].append(event["ts"])
+    spans = [max(t) - min(t) for t in times.values()]
+    print(f"profile {num_seqs} x {seq_len}: {len(spans)} CTAs, span mean {np.mean(spans):.1f} us, max {max(spans):.1f} us")
+    for (role, name), us in sorted(total.items()):
+        print(f"profile {num_seqs} x {seq_len}: {role:9s} {name:10s} "
+              f"{us / len(spans) / (2 if role == 'consumer' else 1):8.1f} us per warpgroup")
+
 
 def kv_write_case(tokens: int, copy_gbps: float):
     num_pages = 8192
@@ -406,8 +445,13 @@ def main():
     parser.add_argument("--w1-sweep", action="store_true", help="only tilings for W1's decode (batch 1, short context)")
     parser.add_argument("--fp8", action="store_true", help="only decode with bf16 against fp8 pages")
     parser.add_argument("--prefill", action="store_true", help="only prefill, and the Mosaic kernel's tilings")
+    parser.add_argument("--profile", metavar="DIR", help="only the Mosaic kernel at 16 x 512 under Mosaic GPU's "
+                                                          "profiler (traces written to DIR): each phase's time")
     args = parser.parse_args()
     print(f"devices: {jax.devices()}", flush=True)
+    if args.profile:
+        profile_case(16, 512, args.profile)
+        return
 
     copy = record("copy", "4 GiB -> 4 GiB", "xla", measure_copy)
     copy_gbps = copy.get("gbps", 4210.0)

@@ -59,6 +59,7 @@ DECODE_QUERIES = 16  # sequences with fewer query tokens run the Triton kernel
 ALIGN = 8  # rows of a tile of the swizzled shared memory: where a TMA copy into it may start
 SHARED_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 NUM_CTAS = 132  # CTAs that walk the work, one per SM of an H100 or H200
+PROFILE_RANGES = 320  # a warpgroup's named ranges that `profile_dir` records: 16 pairs of 4 blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,13 +112,16 @@ def mosaic_prefill_attention(
     config: MosaicConfig = MosaicConfig(),
     decode_queries: int = DECODE_QUERIES,
     num_ctas: int = NUM_CTAS,
+    profile_dir: str = "",
 ) -> jax.Array:
     """Causal attention for a packed ragged batch; [T, Hq, D] as `ragged_paged_attention` gives it
     (`interpret`: simulated on the CPU). Sequences with fewer than `decode_queries` query tokens
     (decodes, with or without drafts) go to the Triton kernel, which packs a GQA group's heads into
     one program's rows, where a tile here would hold one row per query head. `q` needs a
     warpgroup's rows at least (`supported`). `num_ctas`: the persistent CTAs (one per SM) that
-    share the (work item, head) pairs round-robin."""
+    share the (work item, head) pairs (`deal`). `profile_dir`: Mosaic GPU's profiler writes there
+    each warpgroup's timeline of the kernel's named phases (`benchmarks/attention.py --profile`),
+    as many ranges as a CTA of 16 pairs of 4 key blocks has."""
     if not supported(q, k_cache, config):
         raise ValueError(f"mosaic_prefill_attention cannot run q {q.dtype}{q.shape} over pages "
                          f"{k_cache.dtype}{k_cache.shape} with {config}: see `supported`")
@@ -130,7 +134,7 @@ def mosaic_prefill_attention(
     work = work_list(query_start_loc, seq_lens, num_seqs, num_tokens=q.shape[0], block_q=TILE_ROWS,
                      queries=(decode_queries, ALL_QUERIES[1]), align=ALIGN)
     out = _kernel_call(work, q, k_cache, v_cache, block_tables.astype(jnp.int32), sm_scale, sliding_window, soft_cap,
-                       config, interpret, num_ctas)
+                       config, interpret, num_ctas, profile_dir)
     if not decode_queries:
         return out
     return ragged_paged_attention(*args, **options, queries=(0, decode_queries), into=out)
@@ -176,7 +180,8 @@ def _transforms(cols: int) -> tuple:
 
 
 def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, sliding_window: int | None,
-                 soft_cap: float | None, config: MosaicConfig, interpret: bool, num_ctas: int) -> jax.Array:
+                 soft_cap: float | None, config: MosaicConfig, interpret: bool, num_ctas: int,
+                 profile_dir: str) -> jax.Array:
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -225,12 +230,14 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
         def _consumer():
             def consume(n, done):
                 """Pair n, its blocks the `done + i`-th this CTA streams; the blocks streamed after it."""
-                head, _, first, end, pos0, first_step, count = pair(n)
-                rows, start, owned = owned_rows(first, end)
-                buf = lax.rem(n, 2)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last pair's output has left the other buffer
-                pl.when(n + 1 < num_pairs)(lambda: fetch_queries(n + 1))
-                plgpu.barrier_wait(q_bar.at[buf * CONSUMERS + wg])
+                with jax.named_scope("pair"):
+                    head, _, first, end, pos0, first_step, count = pair(n)
+                    rows, start, owned = owned_rows(first, end)
+                    buf = lax.rem(n, 2)
+                with jax.named_scope("queries"):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last pair's output has left the other buffer
+                    pl.when(n + 1 < num_pairs)(lambda: fetch_queries(n + 1))
+                    plgpu.barrier_wait(q_bar.at[buf * CONSUMERS + wg])
                 row_pos = pos0 + rows - first + plgpu.broadcasted_iota(
                     jnp.int32, (WG_ROWS, block_k), 0, layout=plgpu.Layout.WGMMA)
                 key_col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
@@ -246,7 +253,8 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                         if config.pingpong:
                             plgpu.barrier_wait(turns)
 
-                    plgpu.barrier_wait(k_bar.at[slot])
+                    with jax.named_scope("keys_wait"):
+                        plgpu.barrier_wait(k_bar.at[slot])
 
                     def scores(acc_ref):
                         plgpu.wgmma(acc_ref, q_smem.at[buf, wg], k_smem.at[slot].T)
@@ -255,24 +263,26 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                         plgpu.wgmma_wait(0)
                         return acc_ref[...]
 
-                    s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
+                    with jax.named_scope("scores"):
+                        s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
-                    if soft_cap is not None:
-                        s = soft_cap * LOG2E * jnp.tanh(s * (sm_scale / soft_cap))
-                    else:
-                        s = s * scale
-                    if masked:
-                        key = key_col + j * block_k
-                        visible = key <= row_pos
-                        if sliding_window is not None:
-                            visible &= key > row_pos - sliding_window
-                        s = jnp.where(visible, s, -jnp.inf)
-                    m_new = jnp.maximum(m_i, s.max(axis=1))
-                    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no key yet keeps zeros
-                    p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
-                    alpha = jnp.exp2(m_i - shift)
-                    l_i = l_i * alpha + p.sum(axis=1)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    with jax.named_scope("softmax"):
+                        if soft_cap is not None:
+                            s = soft_cap * LOG2E * jnp.tanh(s * (sm_scale / soft_cap))
+                        else:
+                            s = s * scale
+                        if masked:
+                            key = key_col + j * block_k
+                            visible = key <= row_pos
+                            if sliding_window is not None:
+                                visible &= key > row_pos - sliding_window
+                            s = jnp.where(visible, s, -jnp.inf)
+                        m_new = jnp.maximum(m_i, s.max(axis=1))
+                        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no key yet keeps zeros
+                        p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+                        alpha = jnp.exp2(m_i - shift)
+                        l_i = l_i * alpha + p.sum(axis=1)
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     if config.registers:
                         p16 = p.astype(jnp.bfloat16)
                         softmax_done()
@@ -281,7 +291,8 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                             plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
                             plgpu.wgmma_wait(0)
 
-                        acc = pl.run_state(carried)(plgpu.ACC.init(acc))
+                        with jax.named_scope("values"):
+                            acc = pl.run_state(carried)(plgpu.ACC.init(acc))
                     else:
                         p_smem[wg] = p.astype(jnp.bfloat16)
                         plgpu.commit_smem()
@@ -308,16 +319,17 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                 acc, _, l_i = lax.fori_loop(whole, count, functools.partial(step, masked=True), carry)
                 if config.pingpong:
                     pl.when(wg == 0)(take_turns)  # as many turns taken by each
-                l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # padding rows: zeros
-                o_smem[buf, wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
-                plgpu.commit_smem()
-                for size in (WG_ROWS >> b for b in range(WG_ROWS.bit_length())):  # `owned` rows as 64 + 32 + ... + 1
-                    at = owned & -2 * size  # the rows the larger copies took
+                with jax.named_scope("output"):
+                    l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # padding rows: zeros
+                    o_smem[buf, wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    for size in (WG_ROWS >> b for b in range(WG_ROWS.bit_length())):  # `owned` rows as 64 + ... + 1
+                        at = owned & -2 * size  # the rows the larger copies took
 
-                    @pl.when(owned & size != 0)
-                    def _():
-                        plgpu.copy_smem_to_gmem(o_smem.at[buf, wg, pl.ds(start - rows + at, size)],
-                                                out_gmem.at[pl.ds(start + at, size), head])
+                        @pl.when(owned & size != 0)
+                        def _():
+                            plgpu.copy_smem_to_gmem(o_smem.at[buf, wg, pl.ds(start - rows + at, size)],
+                                                    out_gmem.at[pl.ds(start + at, size), head])
                 return done + count
 
             pl.when(num_pairs > 0)(lambda: fetch_queries(0))
@@ -335,16 +347,18 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                     j, slot = first_step + i, lax.rem(done + i, stages)
 
                     @pl.when(done + i >= stages)  # the consumers are done with the block this slot held
+                    @jax.named_scope("slot_wait")
                     def _():
                         plgpu.barrier_wait(k_free.at[slot])
                         plgpu.barrier_wait(v_free.at[slot])
 
-                    for p in range(pages):
-                        page = table_gmem[seq, jnp.minimum(j * pages + p, max_pages - 1)]
-                        page = jnp.clip(page, 0, num_blocks - 1)
-                        dst = pl.ds(p * block_size, block_size)
-                        plgpu.copy_gmem_to_smem(k_gmem.at[page, :, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
-                        plgpu.copy_gmem_to_smem(v_gmem.at[page, :, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
+                    with jax.named_scope("copies"):
+                        for p in range(pages):
+                            page = table_gmem[seq, jnp.minimum(j * pages + p, max_pages - 1)]
+                            page = jnp.clip(page, 0, num_blocks - 1)
+                            dst = pl.ds(p * block_size, block_size)
+                            plgpu.copy_gmem_to_smem(k_gmem.at[page, :, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
+                            plgpu.copy_gmem_to_smem(v_gmem.at[page, :, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
                     return carry
 
                 lax.fori_loop(0, count, load, None)
@@ -385,6 +399,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
         grid_names=("cta",),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, profile_space=PROFILE_RANGES if profile_dir else 0,
+                                             profile_dir=profile_dir),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(work, num_items[None], q, k_cache, v_cache, block_tables)
