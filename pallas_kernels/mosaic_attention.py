@@ -60,6 +60,7 @@ ALIGN = 8  # rows of a tile of the swizzled shared memory: where a TMA copy into
 SHARED_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 NUM_CTAS = 132  # CTAs that walk the work, one per SM of an H100 or H200
 PROFILE_RANGES = 320  # a warpgroup's named ranges that `profile_dir` records: 16 pairs of 4 blocks
+PROFILE_BYTES = (CONSUMERS + 1) * (4 * PROFILE_RANGES + 3) * 4  # the profiler's shared memory, every warpgroup's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +126,9 @@ def mosaic_prefill_attention(
     if not supported(q, k_cache, config):
         raise ValueError(f"mosaic_prefill_attention cannot run q {q.dtype}{q.shape} over pages "
                          f"{k_cache.dtype}{k_cache.shape} with {config}: see `supported`")
+    if profile_dir and shared_bytes(q.shape[2], config) + PROFILE_BYTES > SHARED_BYTES:
+        raise ValueError(f"Mosaic GPU's profiler needs {PROFILE_BYTES} bytes of shared memory beside {config}'s; "
+                         "profile a form with fewer bytes in flight (registers=True, or fewer stages)")
     if interpret and config.registers:
         raise ValueError("MosaicConfig(registers=True) cannot run in interpret mode (Mosaic GPU's interpreter "
                          "has no register operands for wgmma); use registers=False off a GPU")
@@ -400,6 +404,6 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, profile_space=PROFILE_RANGES if profile_dir else 0,
-                                             profile_dir=profile_dir),
+                                             profile_dir=profile_dir, profile_bounds_check=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(work, num_items[None], q, k_cache, v_cache, block_tables)

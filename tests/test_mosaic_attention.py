@@ -129,6 +129,10 @@ def test_takes_only_what_it_supports():
         mosaic_prefill_attention(q, pages, pages, jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32),
                                  jnp.zeros((1, 2), jnp.int32), jnp.int32(1), sm_scale=1.0, interpret=True,
                                  config=MosaicConfig(registers=True))
+    with pytest.raises(ValueError, match="profiler needs .* bytes of shared memory"):  # 224 KiB in flight already
+        mosaic_prefill_attention(q, pages, pages, jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32),
+                                 jnp.zeros((1, 2), jnp.int32), jnp.int32(1), sm_scale=1.0,
+                                 config=MosaicConfig(block_k=128), profile_dir="/tmp/unused")
     with pytest.raises(ValueError, match="mosaic_prefill_attention cannot run q bfloat16"):
         mosaic_prefill_attention(q, pages, pages, jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32),
                                  jnp.zeros((1, 2), jnp.int32), jnp.int32(1), sm_scale=1.0,
