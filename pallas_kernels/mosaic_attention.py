@@ -199,12 +199,13 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
     def kernel(work_gmem, items_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped):
         ((q_smem, o_smem), k_smem, v_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free), turns = scoped
         cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
-        _, num_pairs = deal(cta, 0, items_gmem[0] * num_q_heads, num_ctas)  # this CTA's (work item, head) pairs
+        total_pairs = items_gmem[0] * num_q_heads  # the used (work item, head) pairs
+        _, num_pairs = deal(cta, 0, total_pairs, num_ctas)  # this CTA's
 
         def pair(n):
             """This CTA's n-th pair: its head, sequence, tokens [first, end), first position, and its
             key blocks [first_step, first_step + count)."""
-            p, _ = deal(cta, n, items_gmem[0] * num_q_heads, num_ctas)
+            p, _ = deal(cta, n, total_pairs, num_ctas)
             item, head = lax.div(p, num_q_heads), lax.rem(p, num_q_heads)
             seq, first, end, pos0 = (work_gmem[item, i] for i in range(4))
             return head, seq, first, end, pos0, *key_blocks(first, end, pos0, block_k, sliding_window)
