@@ -21,9 +21,12 @@ start anywhere, so the work items are a sequence's share of windows of 128 token
 the batch (`work_list(align=8)`: a sequence's first item is short by its start's remainder, and the
 window's first rows are another sequence's): a consumer copies its 64 rows of the next pair's
 window into the other of two query buffers as it starts a pair, and stores its output rows through
-unswizzled shared memory (the bytes of the pair's queries) in TMA copies of 64, 32, ... 1 rows, as
-many as it owns. Read from global memory through registers instead, the queries stalled every
-pair's start (docs/benchmarks.md).
+the bytes of the pair's queries: a window it owns whole in one copy from the swizzled buffer, part
+of one unswizzled in TMA copies of 32, 16, ... 1 rows, as many as it owns (stores into unswizzled
+rows conflict in the banks). Read from global memory through registers instead, the queries
+stalled every pair's start (docs/benchmarks.md). The producer reads a block's page numbers before
+it waits for the block's slot, so their reads' latency is not on the copies' path, and it gives up
+registers to the consumers, which hold a block's scores, probabilities and accumulator at once.
 
 Sequences with fewer than `DECODE_QUERIES` query tokens (decodes in a mixed batch) go to the Triton
 kernel instead, in the same call, which writes their rows into this kernel's output: a tile here
@@ -59,6 +62,9 @@ DECODE_QUERIES = 16  # sequences with fewer query tokens run the Triton kernel
 ALIGN = 8  # rows of a tile of the swizzled shared memory: where a TMA copy into it may start
 SHARED_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 NUM_CTAS = 132  # CTAs that walk the work, one per SM of an H100 or H200
+# a CTA's 64k registers shared as FlashAttention-3 shares them: the consumers hold a block's scores,
+# probabilities and accumulator at once, the producer only addresses (evenly, each thread has 168)
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
 PROFILE_RANGES = 320  # a warpgroup's named ranges that `profile_dir` records: 16 pairs of 4 blocks
 PROFILE_BYTES = (CONSUMERS + 1) * (4 * PROFILE_RANGES + 3) * 4  # the profiler's shared memory, every warpgroup's
 
@@ -233,6 +239,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             def consume(n, done):
                 """Pair n, its blocks the `done + i`-th this CTA streams; the blocks streamed after it."""
                 with jax.named_scope("pair"):
@@ -326,15 +333,25 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                     pl.when(wg == 0)(take_turns)  # as many turns taken by each
                 with jax.named_scope("output"):
                     l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # padding rows: zeros
-                    o_smem[buf, wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    for size in (WG_ROWS >> b for b in range(WG_ROWS.bit_length())):  # `owned` rows as 64 + ... + 1
-                        at = owned & -2 * size  # the rows the larger copies took
+                    out = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(jnp.bfloat16)
 
-                        @pl.when(owned & size != 0)
-                        def _():
-                            plgpu.copy_smem_to_gmem(o_smem.at[buf, wg, pl.ds(start - rows + at, size)],
-                                                    out_gmem.at[pl.ds(start + at, size), head])
+                    @pl.when(owned == WG_ROWS)
+                    def _():  # the whole window: through the queries' swizzled bytes, as one copy
+                        q_smem[buf, wg] = out
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(q_smem.at[buf, wg], out_gmem.at[pl.ds(rows, WG_ROWS), head])
+
+                    @pl.when(owned != WG_ROWS)
+                    def _():  # part of it: unswizzled, in copies of 32, 16, ... 1 rows, which start anywhere
+                        o_smem[buf, wg] = out
+                        plgpu.commit_smem()
+                        for size in (WG_ROWS >> b for b in range(1, WG_ROWS.bit_length())):
+                            at = owned & -2 * size  # the rows the larger copies took
+
+                            @pl.when(owned & size != 0)
+                            def _():
+                                plgpu.copy_smem_to_gmem(o_smem.at[buf, wg, pl.ds(start - rows + at, size)],
+                                                        out_gmem.at[pl.ds(start + at, size), head])
                 return done + count
 
             pl.when(num_pairs > 0)(lambda: fetch_queries(0))
@@ -343,6 +360,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
 
         @pl.when(wg == CONSUMERS)
         def _producer():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             def produce(n, done):
                 """Pair n's keys and values, block by block, as far ahead of the consumers as the slots allow."""
                 head, seq, _, _, _, first_step, count = pair(n)
@@ -350,6 +368,8 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
 
                 def load(i, carry):
                     j, slot = first_step + i, lax.rem(done + i, stages)
+                    pages_of_block = [jnp.clip(table_gmem[seq, jnp.minimum(j * pages + p, max_pages - 1)], 0, num_blocks - 1)
+                                      for p in range(pages)]  # read while the slot is still in use
 
                     @pl.when(done + i >= stages)  # the consumers are done with the block this slot held
                     @jax.named_scope("slot_wait")
@@ -358,9 +378,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                         plgpu.barrier_wait(v_free.at[slot])
 
                     with jax.named_scope("copies"):
-                        for p in range(pages):
-                            page = table_gmem[seq, jnp.minimum(j * pages + p, max_pages - 1)]
-                            page = jnp.clip(page, 0, num_blocks - 1)
+                        for p, page in enumerate(pages_of_block):
                             dst = pl.ds(p * block_size, block_size)
                             plgpu.copy_gmem_to_smem(k_gmem.at[page, :, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
                             plgpu.copy_gmem_to_smem(v_gmem.at[page, :, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
