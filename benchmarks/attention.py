@@ -22,7 +22,8 @@ Sections (all bf16, Llama-3-8B heads: 32 query heads, 8 KV heads, D=128, page si
 - --prefill alone: the prefill and mixed sections and (unless --no-sweep) a sweep of the Mosaic
   kernel's tilings;
 - --profile DIR alone: the Mosaic kernel at 16 x 512 under Mosaic GPU's profiler, each named phase's
-  time per warpgroup (traces in DIR);
+  time per warpgroup and how long its pairs of 1, 2, ... key blocks take (traces in DIR);
+- --page N: pages of N tokens instead of 16 (the runner's `block_size`), in every section;
 - --w1-sweep alone: decode tilings for one sequence at 129 and 385 keys (W1's short contexts, the
   query padded to 16 tokens as the runner pads it), and the default at 64 x 4k.
 
@@ -319,7 +320,8 @@ def mixed_case(chunk: int, decodes: int, context: int):
 
 def profile_case(num_seqs: int, seq_len: int, profile_dir: str) -> None:
     """The Mosaic kernel once under Mosaic GPU's profiler, then each named phase's time summed over the
-    run, per warpgroup (`mosaic_attention`'s scopes; warpgroups 0 and 1 consume, 2 produces)."""
+    run, per warpgroup (`mosaic_attention`'s scopes; warpgroups 0 and 1 consume, 2 produces), and a
+    consumer's pairs by their key blocks: how long from a pair's start to the next one's."""
     q, k_cache, v_cache, tables, qsl, lens = _prefill_inputs(num_seqs, seq_len)
     os.makedirs(profile_dir, exist_ok=True)
     before = set(glob.glob(os.path.join(profile_dir, "*-trace.json")))
@@ -331,19 +333,31 @@ def profile_case(num_seqs: int, seq_len: int, profile_dir: str) -> None:
     with open(trace) as f:
         events = json.load(f)["traceEvents"]
     opened, total, times = {}, collections.defaultdict(float), collections.defaultdict(list)
+    pairs = collections.defaultdict(list)  # a consumer's pairs: [start, key blocks]
     for event in events:
         role = "producer" if (event["tid"] - 1) % 3 == 2 else "consumer"
         key = (event["tid"], event["name"])
         if event["ph"] == "B":
             opened[key] = event["ts"]
+            if event["name"] == "pair":
+                pairs[event["tid"]].append([event["ts"], 0])
+            elif event["name"] == "scores":
+                pairs[event["tid"]][-1][1] += 1
         else:
             total[role, event["name"]] += event["ts"] - opened.pop(key)
         times[event["pid"]].append(event["ts"])
+    by_blocks = collections.defaultdict(list)
+    for walk in pairs.values():
+        for (start, blocks), (following, _) in zip(walk, walk[1:]):
+            by_blocks[blocks].append(following - start)
     spans = [max(t) - min(t) for t in times.values()]
     print(f"profile {num_seqs} x {seq_len}: {len(spans)} CTAs, span mean {np.mean(spans):.1f} us, max {max(spans):.1f} us")
     for (role, name), us in sorted(total.items()):
         print(f"profile {num_seqs} x {seq_len}: {role:9s} {name:10s} "
               f"{us / len(spans) / (2 if role == 'consumer' else 1):8.1f} us per warpgroup")
+    for blocks, durations in sorted(by_blocks.items()):
+        print(f"profile {num_seqs} x {seq_len}: pairs of {blocks} key blocks: {len(durations)}, "
+              f"{np.mean(durations):.2f} us each")
 
 
 def kv_write_case(tokens: int, copy_gbps: float):
@@ -439,6 +453,7 @@ def summary() -> list[str]:
 
 
 def main():
+    global PAGE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true", help="skip the tiling sweep")
     parser.add_argument("--quick", action="store_true", help="only the target cases")
@@ -447,7 +462,10 @@ def main():
     parser.add_argument("--prefill", action="store_true", help="only prefill, and the Mosaic kernel's tilings")
     parser.add_argument("--profile", metavar="DIR", help="only the Mosaic kernel at 16 x 512 under Mosaic GPU's "
                                                           "profiler (traces written to DIR): each phase's time")
+    parser.add_argument("--page", type=int, default=16, help="tokens per page of the KV cache (the runner's "
+                                                               "default block_size: 16)")
     args = parser.parse_args()
+    PAGE = args.page
     print(f"devices: {jax.devices()}", flush=True)
     if args.profile:
         profile_case(16, 512, args.profile)

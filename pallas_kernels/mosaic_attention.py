@@ -278,7 +278,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                     with jax.named_scope("scores"):
                         s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
-                    with jax.named_scope("softmax"):
+                    with jax.named_scope("masked_softmax" if masked else "softmax"):
                         if soft_cap is not None:
                             s = soft_cap * LOG2E * jnp.tanh(s * (sm_scale / soft_cap))
                         else:
