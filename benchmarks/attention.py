@@ -20,7 +20,7 @@ Sections (all bf16, Llama-3-8B heads: 32 query heads, 8 KV heads, D=128, page si
   Mosaic one (the runner's `kernels="mosaic"`: its decodes through the Triton kernel, and with
   them in tiles of their own);
 - --prefill alone: the prefill and mixed sections and (unless --no-sweep) a sweep of the Mosaic
-  kernel's tilings;
+  kernel's tilings at both prefill shapes;
 - --profile DIR alone: the Mosaic kernel at 16 x 512 under Mosaic GPU's profiler, each named phase's
   time per warpgroup and how long its pairs of 1, 2, ... key blocks take (traces in DIR);
 - --page N: pages of N tokens instead of 16 (the runner's `block_size`), in every section;
@@ -486,7 +486,8 @@ def main():
             prefill_case(num_seqs, seq_len)
         mixed_case(2048, 63, 4096)
         if not args.no_sweep:
-            prefill_case(1, 8192, configs=mosaic_sweep())
+            for num_seqs, seq_len in ((1, 8192), (16, 512)):
+                prefill_case(num_seqs, seq_len, configs=mosaic_sweep())
     if args.fp8 or args.w1_sweep or args.prefill:
         report()
         return
