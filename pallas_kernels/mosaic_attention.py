@@ -250,13 +250,12 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last pair's output has left the other buffer
                     pl.when(n + 1 < num_pairs)(lambda: fetch_queries(n + 1))
                     plgpu.barrier_wait(q_bar.at[buf * CONSUMERS + wg])
-                row_pos = pos0 + rows - first + plgpu.broadcasted_iota(
-                    jnp.int32, (WG_ROWS, block_k), 0, layout=plgpu.Layout.WGMMA)
-                key_col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
-
-                def step(i, carry, masked: bool):
+                def step(i, carry, masked: bool, width: int = block_k):
+                    """Block i's first `width` keys (all of them but on a diagonal the first consumer's rows
+                    stop at its first half)."""
                     acc, m_i, l_i = carry
                     j, slot = first_step + i, lax.rem(done + i, stages)
+                    keys, values = k_smem.at[slot, pl.ds(0, width)], v_smem.at[slot, pl.ds(0, width)]
 
                     def softmax_done():  # then wait for the values, and with pingpong for the tensor cores
                         if config.pingpong:
@@ -269,14 +268,14 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                         plgpu.barrier_wait(k_bar.at[slot])
 
                     def scores(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem.at[buf, wg], k_smem.at[slot].T)
+                        plgpu.wgmma(acc_ref, q_smem.at[buf, wg], keys.T)
                         if config.pingpong:  # issued: the other consumer's turn
                             take_turns()
                         plgpu.wgmma_wait(0)
                         return acc_ref[...]
 
                     with jax.named_scope("scores"):
-                        s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
+                        s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, width), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("masked_softmax" if masked else "softmax"):
                         if soft_cap is not None:
@@ -284,7 +283,9 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                         else:
                             s = s * scale
                         if masked:
-                            key = key_col + j * block_k
+                            row_pos, key = (plgpu.broadcasted_iota(jnp.int32, s.shape, d, layout=plgpu.Layout.WGMMA)
+                                            for d in (0, 1))
+                            row_pos, key = row_pos + (pos0 + rows - first), key + j * block_k
                             visible = key <= row_pos
                             if sliding_window is not None:
                                 visible &= key > row_pos - sliding_window
@@ -300,22 +301,23 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                         softmax_done()
 
                         def carried(acc_ref):
-                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                            plgpu.wgmma(acc_ref, p16, values)
                             plgpu.wgmma_wait(0)
 
                         with jax.named_scope("values"):
                             acc = pl.run_state(carried)(plgpu.ACC.init(acc))
                     else:
-                        p_smem[wg] = p.astype(jnp.bfloat16)
+                        probabilities = p_smem.at[wg, :, pl.ds(0, width)]
+                        probabilities[...] = p.astype(jnp.bfloat16)
                         plgpu.commit_smem()
                         softmax_done()
 
-                        def values(acc_ref):
-                            plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                        def product(acc_ref):
+                            plgpu.wgmma(acc_ref, probabilities, values)
                             plgpu.wgmma_wait(0)
                             return acc_ref[...]
 
-                        acc = acc + pl.run_scoped(values, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
+                        acc = acc + pl.run_scoped(product, plgpu.ACC((WG_ROWS, head_dim), jnp.float32))
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
@@ -327,8 +329,17 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                 whole = 0 if sliding_window is not None else jnp.clip(lax.div(pos0 + start - first + 1, block_k), 0, count)
                 if config.pingpong:
                     pl.when(wg == 1)(take_turns)  # the first consumer goes first
+                # the last block's second half is past every row this consumer owns (the first consumer's
+                # on a window's diagonal): half of its products skipped
+                half, narrow = block_k // 2, 0
+                if half >= WG_ROWS:
+                    last_key = pos0 + start + owned - 1 - first
+                    narrow = jnp.where((count > whole) & (last_key < (first_step + count - 1) * block_k + half), 1, 0)
                 carry = lax.fori_loop(0, whole, functools.partial(step, masked=False), init)
-                acc, _, l_i = lax.fori_loop(whole, count, functools.partial(step, masked=True), carry)
+                carry = lax.fori_loop(whole, count - narrow, functools.partial(step, masked=True), carry)
+                if half >= WG_ROWS:
+                    carry = lax.fori_loop(count - narrow, count, functools.partial(step, masked=True, width=half), carry)
+                acc, _, l_i = carry
                 if config.pingpong:
                     pl.when(wg == 0)(take_turns)  # as many turns taken by each
                 with jax.named_scope("output"):
