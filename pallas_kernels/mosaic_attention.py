@@ -14,7 +14,10 @@ A key block is `block_k` keys: one TMA copy per page of the block table, all arr
 block's barrier, so any page size that divides the block works. Each
 consumer multiplies its queries by the block's keys, runs the online softmax in registers (base 2,
 the scale folded in), and multiplies the probabilities by the values through shared memory; it
-then frees the slot for the producer. The queries come straight from the token-major `q` and the
+then frees the slot for the producer. On a window's diagonal block the first consumer's rows see
+only the block's first half (when a window starts at a block's start, as a prompt's do): it
+multiplies by that half alone, a saving short prompts feel most, as their diagonal blocks are
+a large share of their blocks. The queries come straight from the token-major `q` and the
 output goes straight to its rows, so XLA moves no tile-major copies around the kernel. A TMA copy
 into swizzled shared memory must start at a multiple of its 8-row tiling, and a sequence's tokens
 start anywhere, so the work items are a sequence's share of windows of 128 tokens aligned to 8 in
@@ -250,6 +253,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last pair's output has left the other buffer
                     pl.when(n + 1 < num_pairs)(lambda: fetch_queries(n + 1))
                     plgpu.barrier_wait(q_bar.at[buf * CONSUMERS + wg])
+
                 def step(i, carry, masked: bool, width: int = block_k):
                     """Block i's first `width` keys (all of them but on a diagonal the first consumer's rows
                     stop at its first half)."""
