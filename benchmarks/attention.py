@@ -21,6 +21,9 @@ Sections (all bf16, Llama-3-8B heads: 32 query heads, 8 KV heads, D=128, page si
   them in tiles of their own);
 - --prefill alone: the prefill and mixed sections and (unless --no-sweep) a sweep of the Mosaic
   kernel's tilings at both prefill shapes;
+- --mosaic-form FIELD=VALUE,... alone: only the Mosaic kernel at both prefill shapes, in the
+  runner's form with those `MosaicConfig` fields changed (empty: the form itself); the quick way to
+  set a branch's or a field's form beside another, each run from its own tree in one call;
 - --profile DIR alone: the Mosaic kernel at 16 x 512 under Mosaic GPU's profiler, each named phase's
   time per warpgroup and how long its pairs of 1, 2, ... key blocks take (traces in DIR);
 - --page N: pages of N tokens instead of 16 (the runner's `block_size`), in every section;
@@ -40,7 +43,9 @@ is printed at the end and written to $OUT/attention.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
+import dataclasses
 import functools
 import glob
 import json
@@ -428,6 +433,15 @@ def mosaic_sweep() -> dict[str, MosaicConfig]:
                 (64, 2, False, True), (64, 2, True, True), (128, 2, True, True)]}
 
 
+def runner_form(fields: str) -> MosaicConfig:
+    """The runner's Mosaic form at these heads with `fields` ("pingpong=True,stages=3") changed."""
+    q = jax.ShapeDtypeStruct((8192, NUM_Q_HEADS, HEAD_DIM), DTYPE)
+    pages = jax.ShapeDtypeStruct((1, PAGE, NUM_KV_HEADS, HEAD_DIM), DTYPE)
+    changes = dict(field.split("=", 1) for field in fields.split(",") if field)
+    return dataclasses.replace(mosaic_config(q, pages, interpret=False),
+                               **{name.strip(): ast.literal_eval(value) for name, value in changes.items()})
+
+
 def summary() -> list[str]:
     """Every ratio against a peer, then the issue's targets."""
     lines = []
@@ -460,6 +474,8 @@ def main():
     parser.add_argument("--w1-sweep", action="store_true", help="only tilings for W1's decode (batch 1, short context)")
     parser.add_argument("--fp8", action="store_true", help="only decode with bf16 against fp8 pages")
     parser.add_argument("--prefill", action="store_true", help="only prefill, and the Mosaic kernel's tilings")
+    parser.add_argument("--mosaic-form", metavar="FIELD=VALUE,...", help="only the Mosaic kernel at both prefill "
+                        "shapes, in the runner's form with these MosaicConfig fields changed ('' for the form itself)")
     parser.add_argument("--profile", metavar="DIR", help="only the Mosaic kernel at 16 x 512 under Mosaic GPU's "
                                                           "profiler (traces written to DIR): each phase's time")
     parser.add_argument("--page", type=int, default=16, help="tokens per page of the KV cache (the runner's "
@@ -469,6 +485,12 @@ def main():
     print(f"devices: {jax.devices()}", flush=True)
     if args.profile:
         profile_case(16, 512, args.profile)
+        return
+    if args.mosaic_form is not None:
+        config = runner_form(args.mosaic_form)
+        for num_seqs, seq_len in ((1, 8192), (16, 512)):
+            prefill_case(num_seqs, seq_len, configs={f"mosaic {config}": config})
+        report()
         return
 
     copy = record("copy", "4 GiB -> 4 GiB", "xla", measure_copy)
