@@ -164,6 +164,19 @@ def key_blocks(first, end, pos0, block_k: int, sliding_window: int | None) -> tu
     return first_step, steps - first_step
 
 
+def consumer_blocks(pos0, first, start, owned, first_step, count, block_k: int, sliding_window: int | None) -> tuple:
+    """How a consumer walks its share of a work item's `count` key blocks: the first `whole` unmasked
+    (every row it owns sees them whole), the rest masked, and of those the last `narrow` (0 or 1) at
+    half width, its second half past every row the consumer owns (the first consumer's on a window's
+    diagonal). `start`, `owned`: the rows it owns, [start, start + owned) of the item's tokens from
+    `first` (at position `pos0`)."""
+    whole = 0 if sliding_window is not None else jnp.clip(lax.div(pos0 + start - first + 1, block_k), 0, count)
+    if block_k // 2 < WG_ROWS:  # 64-key blocks stay whole: a half would split the probabilities' 64-column tiles
+        return whole, 0
+    last_key = pos0 + start + owned - 1 - first
+    return whole, jnp.where((count > whole) & (last_key < (first_step + count - 1) * block_k + block_k // 2), 1, 0)
+
+
 def by_key_blocks(work: jax.Array, block_k: int, sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
     """The work list with its items in order of key blocks, most first, then the padding row, then
     the unused rows; and the number of items before those (the used ones)."""
@@ -329,20 +342,14 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                 init = (plgpu.layout_cast(jnp.zeros((WG_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
                         plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), rows_layout),
                         plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), rows_layout))
-                # blocks every row of this warpgroup sees whole need no mask; the diagonal's (and a window's) do
-                whole = 0 if sliding_window is not None else jnp.clip(lax.div(pos0 + start - first + 1, block_k), 0, count)
+                whole, narrow = consumer_blocks(pos0, first, start, owned, first_step, count, block_k, sliding_window)
                 if config.pingpong:
                     pl.when(wg == 1)(take_turns)  # the first consumer goes first
-                # the last block's second half is past every row this consumer owns (the first consumer's
-                # on a window's diagonal): half of its products skipped
-                half, narrow = block_k // 2, 0
-                if half >= WG_ROWS:
-                    last_key = pos0 + start + owned - 1 - first
-                    narrow = jnp.where((count > whole) & (last_key < (first_step + count - 1) * block_k + half), 1, 0)
                 carry = lax.fori_loop(0, whole, functools.partial(step, masked=False), init)
                 carry = lax.fori_loop(whole, count - narrow, functools.partial(step, masked=True), carry)
-                if half >= WG_ROWS:
-                    carry = lax.fori_loop(count - narrow, count, functools.partial(step, masked=True, width=half), carry)
+                if block_k // 2 >= WG_ROWS:
+                    half = functools.partial(step, masked=True, width=block_k // 2)
+                    carry = lax.fori_loop(count - narrow, count, half, carry)
                 acc, _, l_i = carry
                 if config.pingpong:
                     pl.when(wg == 0)(take_turns)  # as many turns taken by each

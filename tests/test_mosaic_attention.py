@@ -17,7 +17,7 @@ from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.models import attention
 from jaxrunner.platform import H200
 from pallas_kernels import MosaicConfig, mosaic_prefill_attention, reference_ragged_paged_attention
-from pallas_kernels.mosaic_attention import ALIGN, by_key_blocks, deal, key_blocks, supported
+from pallas_kernels.mosaic_attention import ALIGN, by_key_blocks, consumer_blocks, deal, key_blocks, supported
 from pallas_kernels.ragged_paged_attention import work_list
 from tests.driver import drive
 
@@ -90,6 +90,27 @@ def test_every_pair_is_dealt_once(num_pairs, num_ctas):
     dealt = [int(deal(cta, n, num_pairs, num_ctas)[0]) for cta in range(num_ctas)
              for n in range(int(deal(cta, 0, num_pairs, num_ctas)[1]))]
     assert sorted(dealt) == list(range(num_pairs))
+
+
+@pytest.mark.parametrize("prefix", [0, 64])
+def test_a_prompts_first_consumer_takes_its_diagonal_block_at_half_width(prefix):
+    """A 512-token prompt's four windows at 128-key blocks. Alone, each window starts at a block's
+    start: the first consumer's 64 rows end in the diagonal block's first half, which it takes at
+    half width, and the second consumer's rows reach into its second half. Behind a cached prefix
+    of 64 tokens both consumers' rows end in the first half of their last block (the first
+    consumer's see none of it). With 64-key blocks nothing is narrowed."""
+    tiles = 128
+    qsl, lens = jnp.asarray([0, 512], jnp.int32), jnp.asarray([prefix + 512], jnp.int32)
+    work = work_list(qsl, lens, jnp.int32(1), num_tokens=520, block_q=tiles, align=ALIGN)[:4]
+    for block_k, halves in [(128, [1, 0] if prefix == 0 else [1, 1]), (64, [0, 0])]:
+        for seq, first, end, pos0 in np.asarray(work):
+            first_step, count = key_blocks(first, end, pos0, block_k, None)
+            for consumer in range(2):
+                start = first + consumer * 64
+                whole, narrow = consumer_blocks(pos0, first, start, 64, first_step, count, block_k, None)
+                assert int(narrow) == halves[consumer]
+                # unmasked: the blocks that end at or before its first row
+                assert int(whole) * block_k - 1 <= pos0 + start - first < (int(whole) + 1) * block_k - 1
 
 
 @pytest.mark.parametrize("num_seqs, seq_len", [(1, 8192), (16, 512), (5, 1000)])
