@@ -186,6 +186,7 @@ def test_the_runner_attends_through_it_with_kernels_mosaic(monkeypatch):
 
 @pytest.mark.parametrize("num_seqs, seq_len, block_k, stages, registers, window, cap", [
     (1, 8192, 64, 2, False, None, None), (16, 512, 128, 2, False, None, None), (1, 8192, 64, 2, True, None, None),
+    (16, 512, 128, 2, True, None, None),  # the runner's form, its first consumers' diagonal blocks at half width
     (16, 512, 64, 3, True, None, None), (1, 8192, 64, 2, True, 4096, 30.0)])
 @pytest.mark.parametrize("pingpong", [False, True])
 def test_lowers_for_hopper_at_llama3_8b_heads(num_seqs, seq_len, block_k, stages, registers, window, cap, pingpong):
