@@ -164,6 +164,12 @@ def key_blocks(first, end, pos0, block_k: int, sliding_window: int | None) -> tu
     return first_step, steps - first_step
 
 
+def half_width(block_k: int) -> int:
+    """The keys a diagonal block is narrowed to (`consumer_blocks`), 0 where blocks stay whole: half of
+    a 64-key block would split the probabilities' 64-column tiles."""
+    return block_k // 2 if block_k // 2 >= WG_ROWS else 0
+
+
 def consumer_blocks(pos0, first, start, owned, first_step, count, block_k: int, sliding_window: int | None) -> tuple:
     """How a consumer walks its share of a work item's `count` key blocks: the first `whole` unmasked
     (every row it owns sees them whole), the rest masked, and of those the last `narrow` (0 or 1) at
@@ -171,10 +177,10 @@ def consumer_blocks(pos0, first, start, owned, first_step, count, block_k: int, 
     diagonal). `start`, `owned`: the rows it owns, [start, start + owned) of the item's tokens from
     `first` (at position `pos0`)."""
     whole = 0 if sliding_window is not None else jnp.clip(lax.div(pos0 + start - first + 1, block_k), 0, count)
-    if block_k // 2 < WG_ROWS:  # 64-key blocks stay whole: a half would split the probabilities' 64-column tiles
+    if not half_width(block_k):
         return whole, 0
     last_key = pos0 + start + owned - 1 - first
-    return whole, jnp.where((count > whole) & (last_key < (first_step + count - 1) * block_k + block_k // 2), 1, 0)
+    return whole, jnp.where((count > whole) & (last_key < (first_step + count - 1) * block_k + half_width(block_k)), 1, 0)
 
 
 def by_key_blocks(work: jax.Array, block_k: int, sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
@@ -256,6 +262,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
         @pl.when(wg < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+
             def consume(n, done):
                 """Pair n, its blocks the `done + i`-th this CTA streams; the blocks streamed after it."""
                 with jax.named_scope("pair"):
@@ -347,8 +354,8 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                     pl.when(wg == 1)(take_turns)  # the first consumer goes first
                 carry = lax.fori_loop(0, whole, functools.partial(step, masked=False), init)
                 carry = lax.fori_loop(whole, count - narrow, functools.partial(step, masked=True), carry)
-                if block_k // 2 >= WG_ROWS:
-                    half = functools.partial(step, masked=True, width=block_k // 2)
+                if half_width(block_k):
+                    half = functools.partial(step, masked=True, width=half_width(block_k))
                     carry = lax.fori_loop(count - narrow, count, half, carry)
                 acc, _, l_i = carry
                 if config.pingpong:
@@ -383,6 +390,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
         @pl.when(wg == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
             def produce(n, done):
                 """Pair n's keys and values, block by block, as far ahead of the consumers as the slots allow."""
                 head, seq, _, _, _, first_step, count = pair(n)
