@@ -18,6 +18,7 @@ looks for the executable on disk, which needs no lowering.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -25,6 +26,7 @@ import os
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -232,7 +234,11 @@ class Programs:
         self.warm: set[Hashable] = set()  # the keys of `warmup_programs`, once `warm_up` compiled them
         self.compiled_on_use = 0
         self.loaded = 0  # by compile_all from the program cache
-        self.lowering_seconds = 0.0  # spent by compile_all under the GIL: what no compile thread overlaps
+        # spent lowering (under the GIL: what no compile thread overlaps), in all and by program kind;
+        # of it, tracing the Python into a jaxpr (the rest lowers the jaxpr, its kernels included)
+        self.lowering_seconds = 0.0
+        self.lowering_by_kind: Counter[str] = Counter()
+        self.tracing_seconds = 0.0
 
     def program(self, kind: Kind, **named) -> Program:
         """The call of `kind` with these named arguments (traced ones and static options)."""
@@ -315,9 +321,7 @@ class Programs:
                 if stop is not None and stop.is_set():
                     break
                 if key not in self._compiled:
-                    start = time.perf_counter()
                     lowered = self._lower(p)
-                    self.lowering_seconds += time.perf_counter() - start
                     futures[pool.submit(self._compile, lowered, cache_keys.get(key))] = key
             for future in as_completed(futures):
                 self._compiled[futures[future]] = future.result()
@@ -327,10 +331,16 @@ class Programs:
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
         """Under tensor parallelism, on the context's mesh: host arrays are then replicated over it."""
-        if self.ctx.mesh is None:
-            return program.kind.jitted.lower(*program.args, **program.statics)
-        with jax.set_mesh(self.ctx.mesh):
-            return program.kind.jitted.lower(*program.args, **program.statics)
+        with jax.set_mesh(self.ctx.mesh) if self.ctx.mesh is not None else contextlib.nullcontext():
+            start = time.perf_counter()
+            traced = program.kind.jitted.trace(*program.args, **program.statics)
+            traced_at = time.perf_counter()
+            lowered = traced.lower()
+        seconds = time.perf_counter() - start
+        self.tracing_seconds += traced_at - start
+        self.lowering_seconds += seconds
+        self.lowering_by_kind[program.kind.name] += seconds
+        return lowered
 
     def _compile(self, lowered: jax.stages.Lowered, cache_key: str | None) -> jax.stages.Compiled:
         exe, fresh = compile_noting_cache_hits(lowered)

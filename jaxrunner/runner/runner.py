@@ -277,11 +277,13 @@ class Runner:
         planned with the buckets compiled so far (a batch pads up to the smallest of them), so a
         step still never compiles. `join_warmup` waits for the thread."""
         cfg = self.config
-        start, lowering, loaded = time.perf_counter(), self.programs.lowering_seconds, self.programs.loaded
+        programs = self.programs
+        start, loaded = time.perf_counter(), programs.loaded
+        lowering, tracing, by_kind = programs.lowering_seconds, programs.tracing_seconds, programs.lowering_by_kind.copy()
         tiers = bucket_tiers(self.ctx) if background else [self.ctx]
-        everything = self.programs.warmup_programs()
-        first = self.programs.warmup_programs(tiers[0]) if background else everything
-        _, compiled = self.programs.warm_up(first, progress, len(everything))
+        everything = programs.warmup_programs()
+        first = programs.warmup_programs(tiers[0]) if background else everything
+        _, compiled = programs.warm_up(first, progress, len(everything))
         self._serving = tiers[0]
         if len(tiers) > 1:
             self._warming = threading.Thread(target=self._warm_up_tiers, args=(tiers[1:], progress, len(everything)),
@@ -294,7 +296,9 @@ class Runner:
             "compiled": compiled,  # the others were compiled already, by a runner of the same context
             "in_background": len(everything) - len(first),  # left to the warm-up thread, at most
             "compile_seconds": round(time.perf_counter() - start, 2),
-            "lowering_seconds": round(self.programs.lowering_seconds - lowering, 2),
+            "lowering_seconds": round(programs.lowering_seconds - lowering, 2),
+            "tracing_seconds": round(programs.tracing_seconds - tracing, 2),  # of lowering_seconds
+            "lowering_seconds_by_kind": {kind: round(seconds, 2) for kind, seconds in (programs.lowering_by_kind - by_kind).items()},
             "loaded_from_cache": self.programs.loaded - loaded,  # of `compiled`: read from the program cache
             "kv_cache_blocks": cfg.num_blocks,
             "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
