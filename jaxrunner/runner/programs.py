@@ -234,11 +234,14 @@ class Programs:
         self.warm: set[Hashable] = set()  # the keys of `warmup_programs`, once `warm_up` compiled them
         self.compiled_on_use = 0
         self.loaded = 0  # by compile_all from the program cache
-        # spent lowering (under the GIL: what no compile thread overlaps), in all and by program kind;
-        # of it, tracing the Python into a jaxpr (the rest lowers the jaxpr, its kernels included)
-        self.lowering_seconds = 0.0
+        # spent lowering by program kind (under the GIL: what no compile thread overlaps); of it, tracing
+        # the Python into a jaxpr (the rest lowers the jaxpr, its kernels included)
         self.lowering_by_kind: Counter[str] = Counter()
         self.tracing_seconds = 0.0
+
+    @property
+    def lowering_seconds(self) -> float:
+        return sum(self.lowering_by_kind.values())
 
     def program(self, kind: Kind, **named) -> Program:
         """The call of `kind` with these named arguments (traced ones and static options)."""
@@ -336,10 +339,8 @@ class Programs:
             traced = program.kind.jitted.trace(*program.args, **program.statics)
             traced_at = time.perf_counter()
             lowered = traced.lower()
-        seconds = time.perf_counter() - start
         self.tracing_seconds += traced_at - start
-        self.lowering_seconds += seconds
-        self.lowering_by_kind[program.kind.name] += seconds
+        self.lowering_by_kind[program.kind.name] += time.perf_counter() - start
         return lowered
 
     def _compile(self, lowered: jax.stages.Lowered, cache_key: str | None) -> jax.stages.Compiled:

@@ -299,7 +299,7 @@ class Runner:
             "lowering_seconds": round(programs.lowering_seconds - lowering, 2),
             "tracing_seconds": round(programs.tracing_seconds - tracing, 2),  # of lowering_seconds
             "lowering_seconds_by_kind": {kind: round(seconds, 2) for kind, seconds in (programs.lowering_by_kind - by_kind).items()},
-            "loaded_from_cache": self.programs.loaded - loaded,  # of `compiled`: read from the program cache
+            "loaded_from_cache": programs.loaded - loaded,  # of `compiled`: read from the program cache
             "kv_cache_blocks": cfg.num_blocks,
             "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
             "kv_cache_gib": round(kv_cache_bytes(self.model_config, cfg) / 2**30, 3),
