@@ -221,7 +221,7 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
     pages = block_k // block_size
     max_pages = block_tables.shape[1]
     num_ctas = min(num_ctas, work.shape[0] * num_q_heads)
-    scale = sm_scale * LOG2E
+    exponent_scale = 1.0 if soft_cap is not None else sm_scale * LOG2E  # from the scores to base-2 exponents
     work, num_items = by_key_blocks(work, block_k, sliding_window)
 
     def kernel(work_gmem, items_gmem, q_gmem, k_gmem, v_gmem, table_gmem, out_gmem, scoped):
@@ -302,10 +302,8 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                         s = pl.run_scoped(scores, plgpu.ACC((WG_ROWS, width), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("masked_softmax" if masked else "softmax"):
-                        if soft_cap is not None:
+                        if soft_cap is not None:  # in base-2 units already; else the scale joins the exponent's FMA
                             s = soft_cap * LOG2E * jnp.tanh(s * (sm_scale / soft_cap))
-                        else:
-                            s = s * scale
                         if masked:
                             row_pos, key = (plgpu.broadcasted_iota(jnp.int32, s.shape, d, layout=plgpu.Layout.WGMMA)
                                             for d in (0, 1))
@@ -314,9 +312,9 @@ def _kernel_call(work, q, k_cache, v_cache, block_tables, sm_scale: float, slidi
                             if sliding_window is not None:
                                 visible &= key > row_pos - sliding_window
                             s = jnp.where(visible, s, -jnp.inf)
-                        m_new = jnp.maximum(m_i, s.max(axis=1))
+                        m_new = jnp.maximum(m_i, s.max(axis=1) * exponent_scale)
                         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no key yet keeps zeros
-                        p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+                        p = jnp.exp2(s * exponent_scale - lax.broadcast_in_dim(shift, s.shape, [0]))
                         alpha = jnp.exp2(m_i - shift)
                         l_i = l_i * alpha + p.sum(axis=1)
                         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
