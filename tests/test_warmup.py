@@ -43,21 +43,27 @@ MIXED = [
 
 
 @pytest.mark.parametrize("kernels, decode_forms", [("reference", 0), ("pallas", 1)])
-def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_forms, caplog):
+def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_forms, caplog, monkeypatch):
     """Through the engine: chunked prefill, preemption, prompt logprobs, every sampler variant,
     multi-step decode in one call (plain sampling) and round by round (the others); with the
     Pallas kernels (interpreted here) the decode form of the backbone too. Warm-up's progress is
-    logged (stderr is no terminal here), ending with every program ready."""
+    logged (stderr is no terminal here), ending with every program ready. No KV page is alive
+    while warm-up compiles (XLA's GPU autotuner allocates as it compiles)."""
     caplog.set_level(logging.INFO, logger="jaxrunner.engine.warmup_progress")
+    live, compile_all = [], Programs.compile_all
+    monkeypatch.setattr(Programs, "compile_all", lambda self, *args, **kwargs: live.append(
+        {x.shape for x in jax.live_arrays()}) or compile_all(self, *args, **kwargs))
     llm = LLM(TINY_MODEL, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8, num_gpu_blocks_override=16,
               num_scheduler_steps=4, enforce_eager=False, kernels=kernels)
+    pages = {x.shape for x in jax.tree.leaves(llm.llm_engine.state.kv)}
+    assert live and not any(pages & shapes for shapes in live)
     programs = llm.llm_engine.runner.programs
     # 2 token buckets x (backbone + prompt logprobs) + the decode forms (the 16-token bucket holds a
     # decode batch); 2 request buckets (1, 4) x (block and token-row writes + 12 sampler variants + 2 decode loops)
     assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + 2 * (2 + 12 + 2)
     total = len(programs.warm)
     assert caplog.messages[-1].startswith(f"warm-up: {total} of {total} programs ready")
-    programs.asked.clear()  # warm-up ran each program once (`Runner.run_each_once`): what the workload asks for, from here
+    programs.asked.clear()  # what the workload asks for, from here (on a GPU warm-up ran each program once)
     prompts = ["Hello there, how are", "A longer prompt that needs a second chunk of tokens", "x", "Once upon a time"]
     outs = llm.generate(prompts, [dataclasses.replace(p, max_tokens=14) for p in MIXED], use_tqdm=False)
     plain = llm.generate(prompts[:2], SamplingParams(temperature=0.9, seed=5, max_tokens=14, logprobs=1), use_tqdm=False)

@@ -176,13 +176,22 @@ class LLMEngine:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """Compile every program a step can run (`Runner.warmup`), showing the progress, then run
-        each once (`Runner.run_each_once`); once."""
+        """Compile every program a step can run (`Runner.warmup`), showing the progress, then, on a
+        GPU, run each once (`Runner.run_each_once`); once.
+
+        The KV cache is let go while the programs compile and made again after: XLA's autotuner
+        allocates device buffers as it compiles, and a cache sized to the memory left starved it
+        (fp8 weights ran out of memory at the default gpu_memory_utilization). The first run of a
+        GPU program holds the host while its kernels load; on XLA:CPU a first run costs little more
+        than a later one, and running every program would only lengthen each start."""
         if self.warm:
             return
+        del self.state
         report = self.runner.warmup(WarmupProgress(), background=self.args.compile_in_background)
         start = time.perf_counter()
-        self.state = self.runner.run_each_once(self.state)
+        self.state = self.runner.init_state()
+        if platform.on_gpu():
+            self.state = self.runner.run_each_once(self.state)
         self.startup = report = {**self._phases, **report, "first_runs_seconds": round(time.perf_counter() - start, 2)}
         logger.info("loaded in %.1f s, sized the KV cache in %.1f s, compiled %d programs in %.1f s (%.1f s lowering), "
                     "ran each once in %.1f s; KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"],
