@@ -96,6 +96,12 @@ def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     assert {"forward", "sample", "write_blocks"} <= by_kind.keys()
     assert sum(by_kind.values()) == pytest.approx(report["lowering_seconds"], abs=0.01 * len(by_kind))
     assert 0 < report["tracing_seconds"] < report["lowering_seconds"]
+    # each compile thread's seconds, by kind, and the longest compiles: every program compiled here is in them
+    assert report["compile_thread_seconds_by_kind"].keys() == by_kind.keys()
+    longest = [seconds for _, seconds in report["slowest_compiles"]]
+    assert len(longest) == 3 and longest == sorted(longest, reverse=True)
+    assert sum(report["compile_thread_seconds_by_kind"].values()) >= longest[0] > 0
+    assert len(runner.programs.compile_seconds) == report["compiled"] - report["loaded_from_cache"]
     # once before compiling (what was ready already), then once per program compiled, up to all of them
     total = report["programs"]
     assert heard == [(total - report["compiled"] + i, total) for i in range(report["compiled"] + 1)]

@@ -238,6 +238,9 @@ class Programs:
         # the Python into a jaxpr (the rest lowers the jaxpr, its kernels included)
         self.lowering_by_kind: Counter[str] = Counter()
         self.tracing_seconds = 0.0
+        # a compile thread's seconds per program compiled here (XLA, and storing it in the program cache):
+        # whether the compiles' sum or one long compile bounds the warm-up
+        self.compile_seconds: dict[Hashable, float] = {}
 
     @property
     def lowering_seconds(self) -> float:
@@ -325,7 +328,7 @@ class Programs:
                     break
                 if key not in self._compiled:
                     lowered = self._lower(p)
-                    futures[pool.submit(self._compile, lowered, cache_keys.get(key))] = key
+                    futures[pool.submit(self._compile, key, lowered, cache_keys.get(key))] = key
             for future in as_completed(futures):
                 self._compiled[futures[future]] = future.result()
                 ready += 1
@@ -343,11 +346,25 @@ class Programs:
         self.lowering_by_kind[program.kind.name] += time.perf_counter() - start
         return lowered
 
-    def _compile(self, lowered: jax.stages.Lowered, cache_key: str | None) -> jax.stages.Compiled:
+    def _compile(self, key: Hashable, lowered: jax.stages.Lowered, cache_key: str | None) -> jax.stages.Compiled:
+        start = time.perf_counter()
         exe, fresh = compile_noting_cache_hits(lowered)
         if cache_key and fresh:
             self._cache.store(cache_key, exe)
+        self.compile_seconds[key] = time.perf_counter() - start
         return exe
+
+
+def compile_report(seconds: dict[Hashable, float]) -> dict:
+    """A warm-up's compile threads' seconds by program kind, and its three longest compiles (kind and
+    first key, the bucket): their sum over the pool's threads against the longest says whether more
+    threads or a shorter program would shorten the warm-up."""
+    by_kind: Counter[str] = Counter()
+    for key, spent in seconds.items():
+        by_kind[key[0]] += spent
+    slowest = sorted(seconds.items(), key=lambda item: item[1], reverse=True)[:3]
+    return {"compile_thread_seconds_by_kind": {kind: round(spent, 2) for kind, spent in by_kind.items()},
+            "slowest_compiles": [[" ".join(map(str, key[:2])), round(spent, 2)] for key, spent in slowest]}
 
 
 # Live `Programs` by context, held weakly: executables go with the last runner that uses them (each

@@ -57,6 +57,7 @@ from jaxrunner.runner.programs import (
     WRITE_TOKENS,
     Program,
     Progress,
+    compile_report,
     shared_programs,
 )
 from jaxrunner.runner.request_table import RequestTable
@@ -280,6 +281,7 @@ class Runner:
         programs = self.programs
         start, loaded = time.perf_counter(), programs.loaded
         lowering, tracing, by_kind = programs.lowering_seconds, programs.tracing_seconds, programs.lowering_by_kind.copy()
+        compiled_before = set(programs.compile_seconds)
         tiers = bucket_tiers(self.ctx) if background else [self.ctx]
         everything = programs.warmup_programs()
         first = programs.warmup_programs(tiers[0]) if background else everything
@@ -299,6 +301,8 @@ class Runner:
             "lowering_seconds": round(programs.lowering_seconds - lowering, 2),
             "tracing_seconds": round(programs.tracing_seconds - tracing, 2),  # of lowering_seconds
             "lowering_seconds_by_kind": {kind: round(seconds, 2) for kind, seconds in (programs.lowering_by_kind - by_kind).items()},
+            **compile_report({p.key: programs.compile_seconds[p.key] for p in first if p.key in programs.compile_seconds
+                              and p.key not in compiled_before}),
             "loaded_from_cache": programs.loaded - loaded,  # of `compiled`: read from the program cache
             "kv_cache_blocks": cfg.num_blocks,
             "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
