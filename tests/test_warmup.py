@@ -48,15 +48,18 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     multi-step decode in one call (plain sampling) and round by round (the others); with the
     Pallas kernels (interpreted here) the decode form of the backbone too. Warm-up's progress is
     logged (stderr is no terminal here), ending with every program ready. No KV page is alive
-    while warm-up compiles (XLA's GPU autotuner allocates as it compiles)."""
+    while warm-up compiles (XLA's GPU autotuner allocates as it compiles), and on a CPU no program
+    runs ahead of the workload."""
     caplog.set_level(logging.INFO, logger="jaxrunner.engine.warmup_progress")
-    live, compile_all = [], Programs.compile_all
+    live, compile_all, ran, run_each_once = [], Programs.compile_all, [], Runner.run_each_once
     monkeypatch.setattr(Programs, "compile_all", lambda self, *args, **kwargs: live.append(
         {x.shape for x in jax.live_arrays()}) or compile_all(self, *args, **kwargs))
+    monkeypatch.setattr(Runner, "run_each_once", lambda self, state: ran.append(self) or run_each_once(self, state))
     llm = LLM(TINY_MODEL, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8, num_gpu_blocks_override=16,
               num_scheduler_steps=4, enforce_eager=False, kernels=kernels)
     pages = {x.shape for x in jax.tree.leaves(llm.llm_engine.state.kv)}
     assert live and not any(pages & shapes for shapes in live)
+    assert not ran  # first runs are a GPU's cost (their kernels load): on a CPU warm-up leaves them out
     programs = llm.llm_engine.runner.programs
     # 2 token buckets x (backbone + prompt logprobs) + the decode forms (the 16-token bucket holds a
     # decode batch); 2 request buckets (1, 4) x (block and token-row writes + 12 sampler variants + 2 decode loops)
@@ -100,8 +103,9 @@ def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     assert report["compile_thread_seconds_by_kind"].keys() == by_kind.keys()
     longest = [seconds for _, seconds in report["slowest_compiles"]]
     assert len(longest) == 3 and longest == sorted(longest, reverse=True)
-    assert sum(report["compile_thread_seconds_by_kind"].values()) >= longest[0] > 0
+    assert sum(report["compile_thread_seconds_by_kind"].values()) >= longest[0]
     assert len(runner.programs.compile_seconds) == report["compiled"] - report["loaded_from_cache"]
+    assert min(runner.programs.compile_seconds.values()) > 0  # unrounded: a fast machine rounds a compile to 0.00
     # once before compiling (what was ready already), then once per program compiled, up to all of them
     total = report["programs"]
     assert heard == [(total - report["compiled"] + i, total) for i in range(report["compiled"] + 1)]
