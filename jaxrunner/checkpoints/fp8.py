@@ -37,4 +37,4 @@ def read_fp8(tensors, name: str, block: tuple[int, int] | None) -> Quantized:
         return Quantized(jnp.asarray(values), jnp.asarray(scales), jnp.zeros((0,), jnp.float32))
     inv = np.asarray(tensors.read(f"{name}_scale_inv"), np.float32)
     full = np.repeat(np.repeat(inv, block[0], axis=0), block[1], axis=1)[:out, : values.shape[1]]
-    return quantize(jnp.asarray(values.astype(np.float32) * full).T, "fp8")
+    return quantize((values.astype(np.float32) * full).T, "fp8")

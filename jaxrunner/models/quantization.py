@@ -28,6 +28,7 @@ decode has); the rest run through XLA.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,8 +82,8 @@ class QuantizedStorage:
                          jax.ShapeDtypeStruct(offsets, jnp.float32, sharding=sharding if self.offsets else None))
 
     def store(self, values: jax.Array | np.ndarray, dtype: str) -> Quantized:
-        """`values` [..., K, N] quantized (from float32, so a bf16 checkpoint loses nothing more)."""
-        return quantize(jnp.asarray(values, jnp.float32), self.format, self.group, self.offsets)
+        """`values` [..., K, N] quantized."""
+        return quantize(values, self.format, self.group, self.offsets)
 
     def spec(self, spec: P, shape: tuple[int, ...]) -> Quantized:
         """The arrays split like the weight (the values' last two axes swapped), the scales' groups
@@ -93,10 +94,15 @@ class QuantizedStorage:
         return Quantized(P(*spec[:-2], spec[-1], spec[-2]), scales, scales if self.offsets else P())
 
 
-def quantize(w: jax.Array, fmt: str, group: int = 0, offsets: bool | None = None) -> Quantized:
+@functools.partial(jax.jit, static_argnames=("fmt", "group", "offsets"))
+def quantize(w: jax.Array | np.ndarray, fmt: str, group: int = 0, offsets: bool | None = None) -> Quantized:
     """Float `w` [..., K, N] in groups of `group` rows (by default `quantization_group(K)`):
     symmetric (fp8; int8 by default), or with `offsets` (int4 always) from each group's minimum in
-    equal steps to its maximum."""
+    equal steps to its maximum; from float32, so a bf16 checkpoint loses nothing more.
+
+    One program, not op by op: the float32 temporaries of a weight then live inside it, not as
+    device arrays of their own allocated between the quantized weights a model's load makes."""
+    w = w.astype(jnp.float32)
     *lead, k, n = w.shape
     g = group or quantization_group(k, fmt)
     asymmetric = fmt == "int4" if offsets is None else offsets
