@@ -218,6 +218,34 @@ def test_params_the_runner_refuses_raise_before_anything_runs(llm, monkeypatch):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_running_out_of_device_memory_at_start_up_names_the_kv_cache_and_the_knobs(monkeypatch):
+    """XLA's allocator failing as the KV cache is made (at start, and again after warm-up's compiles)
+    comes out as an error with the cache's size and what to lower; other runtime errors pass as they
+    are."""
+    from jax.errors import JaxRuntimeError
+
+    from jaxrunner.runner import Runner
+
+    def exhausted(self):
+        raise JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 956006400 bytes.")
+
+    made = Runner.init_state
+    monkeypatch.setattr(Runner, "init_state", exhausted)
+    with pytest.raises(MemoryError, match=r"making the KV cache, with a KV cache of 16 blocks \(0\.\d+ GiB\) set by "
+                                          r"num_gpu_blocks_override=16: lower gpu_memory_utilization"):
+        LLM(**ENGINE, num_gpu_blocks_override=16)
+    monkeypatch.setattr(Runner, "init_state", lambda self: (_ for _ in ()).throw(JaxRuntimeError("INTERNAL: other")))
+    with pytest.raises(JaxRuntimeError, match="INTERNAL: other"):
+        LLM(**ENGINE, num_gpu_blocks_override=16)
+    monkeypatch.setattr(Runner, "init_state", made)
+    engine = LLM(**ENGINE, num_gpu_blocks_override=16).llm_engine
+    engine.warm = False
+    monkeypatch.setattr(engine.runner, "warmup", lambda progress, background: {})
+    monkeypatch.setattr(engine.runner, "init_state", exhausted.__get__(engine.runner))
+    with pytest.raises(MemoryError, match="making the KV cache again after the compiles"):
+        engine.warm_up()
+
+
 def test_unknown_engine_argument():
     with pytest.raises(TypeError, match="pipeline_parallel_size"):
         LLM(pipeline_parallel_size=2)

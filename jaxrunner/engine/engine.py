@@ -27,6 +27,7 @@ at interpreter exit, since a device step still running then makes the process ab
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -34,7 +35,7 @@ import os
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
@@ -68,6 +69,7 @@ from jaxrunner.engine.warmup_progress import WarmupProgress
 from jaxrunner.lora_request import LoRARequest
 from jaxrunner.runner.pending_output import PendingOutput
 from jaxrunner.runner import Runner
+from jaxrunner.runner.memory import kv_cache_bytes
 from jaxrunner.sampling_params import SamplingParams
 from jaxrunner.step_io import LogprobsArrays, RunnerOutput
 
@@ -148,7 +150,8 @@ class LLMEngine:
         self.config = runner_config(args, self.model_config, params, dtype, draft)
         sized = time.perf_counter()
         self.runner = Runner(self.model_config, params, self.config, draft)
-        self.state = self.runner.init_state()
+        with self._out_of_memory_named("making the KV cache"):
+            self.state = self.runner.init_state()
         self.processor = Processor(self.tokenizer, self.runner.check_sampling_params, self.config.max_model_len,
                                    self.model_config.vocab_size)
         self.startup: dict = {}  # the start-up report: seconds per phase, programs, KV cache size
@@ -189,9 +192,11 @@ class LLMEngine:
         del self.state
         report = self.runner.warmup(WarmupProgress(), background=self.args.compile_in_background)
         start = time.perf_counter()
-        self.state = self.runner.init_state()
+        with self._out_of_memory_named("making the KV cache again after the compiles"):
+            self.state = self.runner.init_state()
         if platform.on_gpu():
-            self.state = self.runner.run_each_once(self.state)
+            with self._out_of_memory_named("running each program once"):
+                self.state = self.runner.run_each_once(self.state)
         self.startup = report = {**self._phases, **report, "first_runs_seconds": round(time.perf_counter() - start, 2)}
         logger.info("loaded in %.1f s, sized the KV cache in %.1f s, compiled %d programs in %.1f s (%.1f s lowering), "
                     "ran each once in %.1f s; KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"],
@@ -200,6 +205,23 @@ class LLMEngine:
         _freeze_objects()
         self._thaw = weakref.finalize(self, _thaw_objects)
         self.warm = True
+
+    @contextlib.contextmanager
+    def _out_of_memory_named(self, doing: str) -> Iterator[None]:
+        """The device running out of memory at start-up raised as an error that names the KV cache's
+        size and what sets it, not as XLA's allocator failing deep in a program."""
+        try:
+            yield
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            cfg, args = self.config, self.args
+            gib = kv_cache_bytes(self.model_config, cfg, self.runner.draft_model) / 2**30
+            sized = (f"num_gpu_blocks_override={args.num_gpu_blocks_override}" if args.num_gpu_blocks_override
+                     else f"gpu_memory_utilization={args.gpu_memory_utilization}")
+            raise MemoryError(f"the device ran out of memory {doing}, with a KV cache of {cfg.num_blocks} blocks "
+                              f"({gib:.2f} GiB) set by {sized}: lower gpu_memory_utilization or set "
+                              "num_gpu_blocks_override to fewer blocks") from e
 
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
         """`prompt` tokenized and checked by `self.processor` (see `Processor.process`)."""
