@@ -241,11 +241,12 @@ def test_a_multi_turn_workload_gives_the_same_tokens_with_the_tier(name, kv_cach
     float noise (recomputed KV is not bitwise the KV computed before). `warm`: the programs
     compiled first, as on a GPU (the copies then run warm-up's executables, which take their
     arguments exactly as they were compiled). Gemma-3's runs once more with two blocks loading at
-    once: each prefix comes back a block of each group per part, all of it, as without the bound."""
+    once: each prefix comes back a block of each group per part, all of it, as without the bound.
+    One request runs at a time, so one request bucket: warm-up compiles no sampler it never uses."""
     from jaxrunner.engine import engine
     from jaxrunner.runner import context
 
-    args = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_batched_tokens=32,
+    args = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=1, max_num_batched_tokens=32,
                 num_gpu_blocks_override=num_blocks, kv_cache_dtype=kv_cache_dtype, enforce_eager=not warm)
     runs = {}
     for tier in (None, 0.01) if warm else (None, 0.01, "two blocks at once"):
