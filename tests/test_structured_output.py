@@ -93,7 +93,9 @@ term: factor (("*" | "/") factor)~0..2
 factor: NUMBER | "(" expr ")"
 NUMBER: /[0-9]{1,3}/
 """
-CHECKED = SamplingParams(temperature=0.0, max_tokens=120)
+# Room for any bare date (10 digit and dash tokens) or choice and its EOS: a text that does not match
+# after 16 tokens matches after no more of them.
+CHECKED = SamplingParams(temperature=0.0, max_tokens=16)
 
 
 def structured(**kwargs) -> SamplingParams:
