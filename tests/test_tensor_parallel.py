@@ -244,10 +244,11 @@ def test_more_replicas_than_devices_fail_at_start():
 
 
 def test_replicas_warmed_from_the_program_cache_run_on_their_own_devices(tmp_path, monkeypatch, fresh_jax_cache):
-    """A replica's programs are cached apart from another's (replica 0's would run on device 0)."""
+    """A replica's programs are cached apart from another's (replica 0's would run on device 0). A
+    request slot per replica: one request bucket to compile and store."""
     monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path))
     prompts, want = goldens("tiny-llama")
-    args = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+    args = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=64, max_num_seqs=1, max_num_batched_tokens=32,
                 data_parallel_size=2, enforce_eager=False)
     for round_ in range(2):  # compiled and stored, then (the first engines gone) loaded from the cache
         llm = LLM(str(DATA / "models" / "tiny-llama"), **args)
