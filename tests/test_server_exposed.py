@@ -304,8 +304,9 @@ def test_a_bug_met_while_taking_one_request_is_its_500_and_the_engine_steps_on(c
 
 def test_health_says_starting_until_the_programs_are_ready(monkeypatch):
     """A server's engine compiles once the port is open: /health answers 503 "starting" meanwhile,
-    a request sent then waits, and both go through once warm-up is done."""
-    engine = LLMEngine(EngineArgs(TINY_MODEL, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
+    a request sent then waits, and both go through once warm-up is done. One request, one slot: warm-up
+    compiles a single request bucket."""
+    engine = LLMEngine(EngineArgs(TINY_MODEL, max_model_len=32, max_num_seqs=1, max_num_batched_tokens=16,
                                   enforce_eager=False), defer_warm_up=True)
     assert not engine.warm and engine.startup == {}
     release, warmup = threading.Event(), engine.runner.warmup
