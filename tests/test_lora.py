@@ -147,9 +147,10 @@ def test_slots_are_reused_least_recently_used_first():
 
 
 def test_adapters_come_and_go_without_a_recompile():
-    """After warm-up, four adapters cycling through one slot compile nothing."""
+    """After warm-up, four adapters cycling through one slot compile nothing. One adapter a step, so
+    one request a step: a request slot, one request bucket to warm up."""
     with LLM(str(DATA / "models" / "tiny-llama"), enable_lora=True, max_loras=1, max_lora_rank=16, enforce_eager=False,
-             skip_tokenizer_init=True, dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+             skip_tokenizer_init=True, dtype="float32", max_model_len=64, max_num_seqs=1, max_num_batched_tokens=32,
              num_gpu_blocks_override=16) as llm:
         programs = llm.llm_engine.runner.programs
         assert any(key[0] == "write_lora" for key in programs.warm)
