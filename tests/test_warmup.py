@@ -120,10 +120,11 @@ def test_each_step_program_runs_once_before_serving_and_leaves_nothing_behind(mo
     load), so after warm-up each step program runs once on warm-up's synthetic schedules
     (`Runner.run_each_once`): every backbone, sampler, decode loop and row write that warm-up
     compiled ran, and nothing they wrote stays: the state is a fresh one, and sampled tokens
-    (unseeded ones too) are those of a runner that ran nothing before."""
+    (unseeded ones too) are those of a runner that ran nothing before. One request bucket: each kind
+    of program is there, at half the compiles."""
     cfg, params = load_model(MODEL.parent / "tiny-llama", "float32")
     config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8, num_blocks=48,
-                          num_scheduler_steps=4, seed=3)
+                          num_scheduler_steps=4, seed=3, request_buckets=(4,))
     runner = Runner(cfg, params, config)
     runner.warmup()
     calls, run = [], runner.programs.run
@@ -148,9 +149,11 @@ def test_each_step_program_runs_once_before_serving_and_leaves_nothing_behind(mo
 def test_a_background_warm_up_steps_with_the_buckets_ready_and_never_compiles_on_a_step(monkeypatch):
     """`warmup(background=True)` compiles the largest buckets' programs, and steps pad up to them
     while a thread compiles the rest (held back here until the first workload ran); then the
-    smaller buckets serve, the same tokens come out, and no step compiled anything."""
+    smaller buckets serve, the same tokens come out, and no step compiled anything. The token
+    buckets tell it: one request bucket."""
     cfg, params = load_model(MODEL.parent / "tiny-llama", "float32")
-    config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_blocks=72)
+    config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_blocks=72,
+                          request_buckets=(4,))
     runner = Runner(cfg, params, config)
     release, warm_up = threading.Event(), runner.programs.warm_up
 
