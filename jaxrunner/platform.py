@@ -32,6 +32,12 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def memory_stats(device: int = 0) -> dict | None:
+    """The allocator's figures of device `device` (bytes in use, its limit, the largest free block)
+    on a GPU; None elsewhere."""
+    return jax.devices()[device].memory_stats() if on_gpu() else None
+
+
 def num_sms() -> int:
     """The first device's streaming multiprocessors (its `core_count` on a GPU)."""
     return getattr(jax.devices()[0], "core_count", None) or DEFAULT_NUM_SMS

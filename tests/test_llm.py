@@ -220,24 +220,30 @@ def test_params_the_runner_refuses_raise_before_anything_runs(llm, monkeypatch):
 
 def test_running_out_of_device_memory_at_start_up_names_the_kv_cache_and_the_knobs(monkeypatch):
     """XLA's allocator failing as the KV cache is made (at start, and again after warm-up's compiles)
-    comes out as an error with the cache's size and what to lower; other runtime errors pass as they
-    are."""
+    comes out as an error with the cache's size, what to lower and, on a GPU, the pool's state (a
+    largest free block below the bytes free says the memory is in pieces); other runtime errors
+    pass as they are."""
     from jax.errors import JaxRuntimeError
 
+    from jaxrunner import platform
     from jaxrunner.runner import Runner
 
     def exhausted(self):
         raise JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 956006400 bytes.")
 
-    made = Runner.init_state
     monkeypatch.setattr(Runner, "init_state", exhausted)
     with pytest.raises(MemoryError, match=r"making the KV cache, with a KV cache of 16 blocks \(0\.\d+ GiB\) set by "
                                           r"num_gpu_blocks_override=16: lower gpu_memory_utilization"):
         LLM(**ENGINE, num_gpu_blocks_override=16)
+    pool = {"bytes_in_use": 70 * 2**30, "bytes_limit": 75 * 2**30, "largest_free_block_bytes": 2**29}  # a GPU's
+    monkeypatch.setattr(platform, "memory_stats", lambda device=0: pool)
+    with pytest.raises(MemoryError, match=r"the device's pool then: 70\.00 of 75\.00 GiB in use, its largest free "
+                                          r"block 0\.50 GiB: lower"):
+        LLM(**ENGINE, num_gpu_blocks_override=16)
     monkeypatch.setattr(Runner, "init_state", lambda self: (_ for _ in ()).throw(JaxRuntimeError("INTERNAL: other")))
     with pytest.raises(JaxRuntimeError, match="INTERNAL: other"):
         LLM(**ENGINE, num_gpu_blocks_override=16)
-    monkeypatch.setattr(Runner, "init_state", made)
+    monkeypatch.undo()
     engine = LLM(**ENGINE, num_gpu_blocks_override=16).llm_engine
     engine.warm = False
     monkeypatch.setattr(engine.runner, "warmup", lambda progress, background: {})

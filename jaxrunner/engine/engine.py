@@ -215,12 +215,16 @@ class LLMEngine:
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            cfg, args = self.config, self.args
-            gib = kv_cache_bytes(self.model_config, cfg, self.runner.draft_model) / 2**30
+            cfg, args, gib = self.config, self.args, 2**30
+            cache = kv_cache_bytes(self.model_config, cfg, self.runner.draft_model) / gib
             sized = (f"num_gpu_blocks_override={args.num_gpu_blocks_override}" if args.num_gpu_blocks_override
                      else f"gpu_memory_utilization={args.gpu_memory_utilization}")
+            stats = platform.memory_stats(cfg.data_parallel_rank * cfg.tensor_parallel_size)
+            pool = "" if not stats else (
+                f"; the device's pool then: {stats['bytes_in_use'] / gib:.2f} of {stats['bytes_limit'] / gib:.2f} GiB "
+                f"in use, its largest free block {stats.get('largest_free_block_bytes', 0) / gib:.2f} GiB")
             raise MemoryError(f"the device ran out of memory {doing}, with a KV cache of {cfg.num_blocks} blocks "
-                              f"({gib:.2f} GiB) set by {sized}: lower gpu_memory_utilization or set "
+                              f"({cache:.2f} GiB) set by {sized}{pool}: lower gpu_memory_utilization or set "
                               "num_gpu_blocks_override to fewer blocks") from e
 
     def process_prompt(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:

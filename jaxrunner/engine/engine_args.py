@@ -284,7 +284,7 @@ def _num_blocks(
     are set aside. On CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but
     always room for one sequence at full length)."""
     tp = cfg.tensor_parallel_size
-    stats = jax.devices()[cfg.data_parallel_rank * tp].memory_stats() if platform.on_gpu() else None  # its first
+    stats = platform.memory_stats(cfg.data_parallel_rank * tp)  # its first
     per_block = bytes_per_block(model, cfg, draft[0] if draft else None)  # on each device
     if not stats:
         one = request_blocks(model, cfg, cfg.max_model_len)
