@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 
 from jaxrunner import platform
 from jaxrunner.checks import check_bool, check_int, is_real
