@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-
 from jaxrunner import platform
 from jaxrunner.checks import check_bool, check_int, is_real
 from jaxrunner.config import LoraConfig, ModelConfig, RunnerConfig, SamplerConfig, SpeculativeConfig, check_quantization
