@@ -183,8 +183,7 @@ class LLMEngine:
         GPU, run each once (`Runner.run_each_once`); once.
 
         The KV cache is let go while the programs compile and made again after: XLA's autotuner
-        allocates device buffers as it compiles, and a cache sized to the memory left starved it
-        (fp8 weights ran out of memory at the default gpu_memory_utilization). The first run of a
+        allocates device buffers as it compiles, beyond what KV sizing set aside. The first run of a
         GPU program holds the host while its kernels load; on XLA:CPU a first run costs little more
         than a later one, and running every program would only lengthen each start."""
         if self.warm:
