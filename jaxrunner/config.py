@@ -593,8 +593,10 @@ class RunnerConfig:
         if not self.token_buckets:
             lo = min(16, self.max_num_batched_tokens)
             object.__setattr__(self, "token_buckets", _powers(lo, self.max_num_batched_tokens))
-        if not self.request_buckets:  # powers of 4: a sampler's rows cost little, its programs' start-up much
-            object.__setattr__(self, "request_buckets", _powers(1, self.max_num_seqs, 4))
+        if not self.request_buckets:  # powers of 4 from the token buckets' floor: a sampler's rows cost
+            # little (up to hundreds, its LM head reads the head's bytes whatever their number), its
+            # programs' start-up much
+            object.__setattr__(self, "request_buckets", _powers(min(16, self.max_num_seqs), self.max_num_seqs, 4))
 
     def check_model(self, model: ModelConfig, draft: ModelConfig | None = None) -> None:
         """Raise a ValueError naming what keeps this config from running `model` (as its checkpoint

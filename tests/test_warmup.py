@@ -62,8 +62,9 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     assert not ran  # first runs are a GPU's cost (their kernels load): on a CPU warm-up leaves them out
     programs = llm.llm_engine.runner.programs
     # 2 token buckets x (backbone + prompt logprobs) + the decode forms (the 16-token bucket holds a
-    # decode batch); 2 request buckets (1, 4) x (block and token-row writes + 12 sampler variants + 2 decode loops)
-    assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + 2 * (2 + 12 + 2)
+    # decode batch); one request bucket (4: the buckets start at 16 or max_num_seqs) x (block and token-row
+    # writes + 12 sampler variants + 2 decode loops)
+    assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + (2 + 12 + 2)
     total = len(programs.warm)
     assert caplog.messages[-1].startswith(f"warm-up: {total} of {total} programs ready")
     programs.asked.clear()  # what the workload asks for, from here (on a GPU warm-up ran each program once)
@@ -91,9 +92,9 @@ def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     runner = Runner(cfg, params, config)
     heard = []
     report = runner.warmup(lambda done, total: heard.append((done, total)))
-    # 3 token buckets x (backbone + prompt logprobs), 2 request buckets (1, 4) x (block and token-row writes + 12
+    # 3 token buckets x (backbone + prompt logprobs), one request bucket (4) x (block and token-row writes + 12
     # sampler variants), and with the Pallas kernels the decode form of the one token bucket a decode batch lands in
-    assert report["programs"] == 3 * 2 + 2 * 14 + runner.kernels.pallas and report["kv_cache_tokens"] == 512
+    assert report["programs"] == 3 * 2 + 14 + runner.kernels.pallas and report["kv_cache_tokens"] == 512
     # the lowering's seconds split by program kind, tracing a part of them
     by_kind = report["lowering_seconds_by_kind"]
     assert {"forward", "sample", "write_blocks"} <= by_kind.keys()
@@ -197,16 +198,17 @@ def test_closing_the_engine_ends_a_background_warm_up(monkeypatch):
 
 def test_the_gpu_default_warms_up_a_sampler_per_variant_for_each_power_of_four():
     """Start-up's program count at the engine's GPU sizes (256 sequences, 8192 tokens): request
-    buckets of powers of four, 12 sampler variants each, one forward per token bucket and one more
-    for each decode bucket; listing the programs lowers nothing."""
+    buckets of powers of four from 16 (the token buckets' floor), 12 sampler variants each, one
+    forward per token bucket and one more for each decode bucket; listing the programs lowers nothing."""
     model, params = load_model(MODEL)
     config = RunnerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=1024, num_blocks=64,
                           kernels="pallas")
-    assert config.request_buckets == (1, 4, 16, 64, 256)
+    assert config.request_buckets == (16, 64, 256)
     kinds = [p.kind.name for p in Runner(model, params, config).programs.warmup_programs()]
-    assert kinds.count("sample") == 12 * 5
+    assert kinds.count("sample") == 12 * 3
     assert kinds.count("forward") == 10 + 5  # 16 .. 8192 tokens; decodes of 16 .. 256
-    assert len(kinds) == 95
+    assert kinds.count("write_blocks") == kinds.count("write_tokens") == 3  # a request bucket's rows each
+    assert len(kinds) == 67
 
 
 def test_a_step_lowers_its_layer_once_for_all_layers():
