@@ -44,16 +44,21 @@ TILE_N = 64  # weight rows per program: a warpgroup's wgmma M
 STAGES = 4  # pipeline steps in flight per program
 MAX_ROWS = 64  # token rows the kernel takes; more go to XLA (compute, not bytes, bounds them there)
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
+INT4_GROUP = 32  # K rows per int4 scale and offset (llama.cpp's 4-bit blocks)
+HALF = INT4_GROUP // 2  # the bytes of a group's row, and the K rows of each nibble's wgmma
 
 
-def supported(num_rows: int, values: jax.Array, scales: jax.Array) -> bool:
-    """Whether the kernel takes x [num_rows, K] @ values [N, K] (int8 in groups, or fp8 per column)."""
+def supported(num_rows: int, values: jax.Array, scales: jax.Array, offsets: bool = False) -> bool:
+    """Whether the kernel takes x [num_rows, K] @ values [N, K] (int8 in groups, fp8 per column, or
+    uint4 in groups of INT4_GROUP with `offsets`)."""
     n, k = values.shape
     groups = scales.shape[0]
     if values.dtype == jnp.float8_e4m3fn:
-        step_ok = groups == 1 and k % 64 == 0
+        step_ok = groups == 1 and k % 64 == 0 and not offsets
+    elif values.dtype == jnp.uint4:
+        step_ok = k // groups == INT4_GROUP and k % 64 == 0 and offsets
     else:
-        step_ok = values.dtype == jnp.int8 and (k // groups) in (64, 128, 256)
+        step_ok = values.dtype == jnp.int8 and (k // groups) in (64, 128, 256) and not offsets
     return 8 <= num_rows <= MAX_ROWS and num_rows % 8 == 0 and n % TILE_N == 0 and step_ok
 
 
@@ -66,15 +71,15 @@ def split_count(n: int, steps: int, num_sms: int) -> int:
     return splits if steps % splits == 0 and steps // splits >= 1 else 1
 
 
-def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, num_sms: int,
-                     interpret: bool = False) -> jax.Array:
-    """x [M, K] @ (values [N, K] scaled by scales [G, N])^T in x's dtype, [M, N]. `interpret`:
-    simulated on the CPU, fp8 only (Mosaic GPU's interpreter has no register operand for wgmma,
-    which int8's widened tiles are)."""
+def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
+                     num_sms: int, interpret: bool = False) -> jax.Array:
+    """x [M, K] @ (values [N, K] scaled by scales [G, N], plus offsets [G, N] for uint4)^T in x's
+    dtype, [M, N]. `interpret`: simulated on the CPU, fp8 only (Mosaic GPU's interpreter has no
+    register operand for wgmma, which the integer formats' widened tiles are)."""
     if interpret and values.dtype != jnp.float8_e4m3fn:
-        raise ValueError("quantized_matmul interprets fp8 weights only: int8's widened tiles are a register "
-                         "operand, which Mosaic GPU's interpreter cannot run")
-    if not supported(x.shape[0], values, scales):
+        raise ValueError("quantized_matmul interprets fp8 weights only: the integer formats' widened tiles are a "
+                         "register operand, which Mosaic GPU's interpreter cannot run")
+    if not supported(x.shape[0], values, scales, offsets is not None and offsets.size > 0):
         raise ValueError(f"quantized_matmul cannot run x {x.shape} by {values.dtype} {values.shape} with "
                          f"{scales.shape[0]} scale groups: see `supported`")
     if values.dtype == jnp.float8_e4m3fn:
@@ -82,8 +87,24 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, num_
         step = 128 if values.shape[1] % 128 == 0 else 64  # K per pipeline step: one swizzled row of 128 bytes or 64
         partial = _partial_sums(xq, values, scales, step, num_sms, interpret)
         return (partial.sum(0).T * x_scales * scales[0]).astype(x.dtype)
+    if values.dtype == jnp.uint4:
+        step = 256 if values.shape[1] % 256 == 0 else 128 if values.shape[1] % 128 == 0 else 64
+        packed, xp = int4_operands(values, x.astype(jnp.bfloat16))
+        return _partial_sums(xp, packed, scales, step, num_sms, interpret, offsets=offsets).sum(0).T.astype(x.dtype)
     step = values.shape[1] // scales.shape[0]
     return _partial_sums(x.astype(jnp.bfloat16), values, scales, step, num_sms, interpret).sum(0).T.astype(x.dtype)
+
+
+def int4_operands(values: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(uint4 `values` [N, K] as the bytes that hold them, [N, K / 2]; x [M, K] reordered to match).
+    Byte j of a group's row holds K row 2j in its low nibble and 2j + 1 in its high one, so the
+    kernel's low nibbles are a group's even rows and its high ones the odd rows: x's columns go in
+    that order, each group's even columns, then its odd ones, and each nibble multiplies 16
+    contiguous columns."""
+    n, k = values.shape
+    packed = lax.bitcast_convert_type(values.reshape(n, k // 2, 2), jnp.uint8)
+    m = x.shape[0]
+    return packed, x.reshape(m, k // INT4_GROUP, HALF, 2).swapaxes(-1, -2).reshape(m, k)
 
 
 def dense_supported(num_rows: int, w: jax.Array) -> bool:
@@ -157,9 +178,12 @@ def _transforms(cols: int, dtype) -> tuple:
 
 
 def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, step: int, num_sms: int,
-                  interpret: bool, plan: jax.Array | None = None, tile: int = 0) -> jax.Array:
+                  interpret: bool, plan: jax.Array | None = None, tile: int = 0,
+                  offsets: jax.Array | None = None) -> jax.Array:
     """float32 [splits, N, M]: each K range's W @ x^T, int8 tiles scaled per group as they widen.
-    Without `scales`, `values` is a bf16 weight [K, N], its tiles read transposed. With `plan`
+    With `offsets`, `values` holds uint4 as bytes ([N, K / 2], `int4_operands`) and x is reordered
+    to match; a step's groups each widen to two tiles of 16 K rows (the nibbles), scaled and offset,
+    each its own wgmma. Without `scales`, `values` is a bf16 weight [K, N], its tiles read transposed. With `plan`
     (`common.plan_tiles`, tiles of `tile` rows), `values` holds a group's weight [K, N] each
     ([E, K, N]), x holds the tiles' rows tile by tile, and the result is [splits, tiles, N, tile],
     each tile's product by its group's weight (an unused tile's left unwritten)."""
@@ -173,10 +197,12 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
     splits = split_count(n * tiles, steps, num_sms)
     per_split = steps // splits
     widen = values.dtype != x.dtype  # int8: to bf16 in registers; fp8 goes to the tensor cores as it is
+    nibbles = offsets is not None
+    groups = step // INT4_GROUP if nibbles else 1  # scale groups per step
 
     def kernel(*refs, out_smem):
         plan_gmem, x_gmem, v_gmem, *rest = refs if grouped else (None, *refs)
-        *s_gmem, out_gmem = rest  # the scales, but for a bf16 weight
+        *s_gmem, out_gmem = rest  # the scales (and offsets), but for a bf16 weight
         rows = pl.ds(lax.axis_index("n") * TILE_N, TILE_N)
         split = lax.axis_index("split")
         cols = pl.ds(split * per_split * step, per_split * step)
@@ -191,6 +217,15 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
             @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, m), jnp.float32))
             def _(acc):
                 def body(_, v_smem, x_smem, *s_smem):
+                    if nibbles:
+                        for g in range(groups):
+                            q = v_smem[:, pl.ds(g * HALF, HALF)].astype(jnp.int16)  # Mosaic GPU shifts no 8-bit type
+                            scale, offset = (r[g].astype(jnp.bfloat16)[:, None] for r in s_smem)
+                            for half, nibble in enumerate((q & 15, q >> 4)):
+                                w = nibble.astype(jnp.bfloat16) * scale + offset
+                                plgpu.wgmma(acc, w, x_smem.at[:, pl.ds(g * INT4_GROUP + half * HALF, HALF)].T)
+                        plgpu.wgmma_wait(0)
+                        return
                     w = v_smem.T if dense else v_smem
                     if widen:
                         w = v_smem[...].astype(jnp.bfloat16) * s_smem[0][0].astype(jnp.bfloat16)[:, None]
@@ -201,13 +236,20 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
                     weight = plgpu.BlockSpec((step, TILE_N), lambda j: (j, 0),
                                              transforms=_transforms(TILE_N, values.dtype))
                     refs = [v_gmem.at[cols, rows], x_gmem.at[tokens, cols]]
+                elif nibbles:  # a group's 16 bytes a tile, and its nibbles' 16 columns of x
+                    weight = plgpu.BlockSpec((TILE_N, step // 2), lambda j: (0, j),
+                                             transforms=(plgpu.TilingTransform((8, HALF)),))
+                    refs = [v_gmem.at[rows, pl.ds(split * (per_split * step // 2), per_split * step // 2)],
+                            x_gmem.at[tokens, cols]]
                 else:
                     weight = plgpu.BlockSpec((TILE_N, step), lambda j: (0, j), transforms=_transforms(step, values.dtype))
                     refs = [v_gmem.at[rows, cols], x_gmem.at[tokens, cols]]
-                specs = [weight, plgpu.BlockSpec((m, step), lambda j: (0, j), transforms=_transforms(step, x.dtype))]
+                x_cols = HALF if nibbles else step
+                specs = [weight, plgpu.BlockSpec((m, step), lambda j: (0, j), transforms=_transforms(x_cols, x.dtype))]
                 if widen:
-                    specs.append(plgpu.BlockSpec((1, TILE_N), lambda j: (j, 0)))
-                    refs.append(s_gmem[0].at[pl.ds(split * per_split, per_split), rows])
+                    for ref in s_gmem:
+                        specs.append(plgpu.BlockSpec((groups, TILE_N), lambda j: (j, 0)))
+                        refs.append(ref.at[pl.ds(split * per_split * groups, per_split * groups), rows])
                 plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs,
                                     max_concurrent_steps=min(STAGES, per_split))(*refs)
                 out_smem[...] = acc[...]
@@ -229,4 +271,4 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
         scratch_types=dict(out_smem=plgpu.SMEM((TILE_N, m), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(*(() if plan is None else (plan,)), x, values, *([] if dense else [scales]))
+    )(*(() if plan is None else (plan,)), x, values, *([] if dense else [scales]), *([offsets] if nibbles else []))

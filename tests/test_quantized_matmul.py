@@ -29,6 +29,7 @@ DATA = Path(__file__).parent / "data"
 CASES = [  # (format, K, N)
     ("fp8", 4096, 6144), ("fp8", 192, 128),
     ("int8", 4096, 6144), ("int8", 14336, 256), ("int8", 64, 128),
+    ("int4", 4096, 6144), ("int4", 14336, 256), ("int4", 192, 128),  # steps of 256, 128 and 64 rows of K
 ]
 
 
@@ -45,15 +46,15 @@ def test_the_bf16_form_lowers_for_hopper():
 def test_the_kernel_lowers_for_hopper(fmt, k, n):
     w = jax.eval_shape(functools.partial(quantize, fmt=fmt), jax.ShapeDtypeStruct((k, n), jnp.float32))
     x = jax.ShapeDtypeStruct((16, k), jnp.bfloat16)
-    assert kernel.supported(16, w.values, w.scales)
-    text = _lowered(functools.partial(kernel.quantized_matmul, num_sms=132), x, w.values, w.scales)
+    assert kernel.supported(16, w.values, w.scales, offsets=fmt == "int4")
+    text = _lowered(functools.partial(kernel.quantized_matmul, num_sms=132), x, w.values, w.scales, w.offsets)
     assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("rows,fmt,num_sms,dense,runs", [
     (16, "fp8", 132, False, True), (64, "int8", 132, False, True),
     (128, "fp8", 132, False, False),  # a prefill's rows: XLA, bound by compute there
-    (16, "int4", 132, False, False),  # no kernel for int4 yet
+    (16, "int4", 132, False, True),
     (16, "int8", 0, False, False),  # no GPU kernels (the references, or a CPU)
     (16, "bf16", 132, True, True),  # kernels="mosaic": bf16 weights too
     (16, "bf16", 132, False, False), (128, "bf16", 132, True, False),
@@ -67,6 +68,23 @@ def test_decode_shaped_calls_take_the_kernel(rows, fmt, num_sms, dense, runs):
     assert ("mosaic_gpu" in text) == runs
 
 
+def test_int4_values_reach_the_kernel_as_bytes_of_even_and_odd_rows():
+    """`int4_operands`: byte j of a group's row holds K row 2j in its low nibble and 2j + 1 in its
+    high one, and x's columns follow, each group's even columns and then its odd ones, so that each
+    nibble's 16 values multiply 16 contiguous columns; the products add up to x @ W."""
+    rng = np.random.default_rng(4)
+    n, k = 64, 96
+    values = rng.integers(0, 16, (n, k))
+    x = rng.standard_normal((8, k)).astype(np.float32)
+    packed, xp = (np.asarray(a) for a in kernel.int4_operands(jnp.asarray(values, jnp.uint4), jnp.asarray(x)))
+    assert packed.dtype == np.uint8 and packed.shape == (n, k // 2)
+    np.testing.assert_array_equal(packed & 15, values[:, 0::2])
+    np.testing.assert_array_equal(packed >> 4, values[:, 1::2])
+    groups = [(packed[:, g * 16:(g + 1) * 16], xp[:, g * 32:(g + 1) * 32]) for g in range(k // 32)]
+    got = sum((q & 15) @ c[:, :16].T + (q >> 4) @ c[:, 16:].T for q, c in groups)
+    np.testing.assert_allclose(got, values @ x.T, rtol=1e-5, atol=1e-4)
+
+
 def test_split_count_fills_the_gpu():
     assert kernel.split_count(6144, 32, 132) == 4  # 96 tiles of 64 columns: 4 K ranges of 8 steps
     assert kernel.split_count(28672, 32, 132) == 2  # 448 tiles already fill 132 SMs
@@ -74,10 +92,14 @@ def test_split_count_fills_the_gpu():
     assert kernel.split_count(128, 1, 132) == 1
 
 
-def _reference(x: np.ndarray, values: np.ndarray, scales: np.ndarray, fp8: bool) -> np.ndarray:
-    """float32 x @ W in numpy: W from the values [N, K] and scales [G, N]; fp8 rounds x per row to e4m3."""
+def _reference(x: np.ndarray, values: np.ndarray, scales: np.ndarray, fp8: bool,
+               offsets: np.ndarray | None = None) -> np.ndarray:
+    """float32 x @ W in numpy: W from the values [N, K], scales [G, N] and offsets [G, N] if any;
+    fp8 rounds x per row to e4m3."""
     n, k = values.shape
     w = values.astype(np.float32).reshape(n, scales.shape[0], -1) * scales.T[:, :, None]
+    if offsets is not None and offsets.size:
+        w = w + offsets.T[:, :, None]
     if fp8:
         scale = np.abs(x).max(axis=1, keepdims=True) / 448
         x = (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
@@ -179,9 +201,11 @@ def test_the_kernel_matches_the_reference(fmt, k, n, rows):
     w = quantize(jnp.asarray(rng.standard_normal((k, n)) * rng.uniform(0.01, 1, (1, n)), jnp.float32), fmt)
     x = (rng.standard_normal((rows, k)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
     x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # the kernel takes bf16 tokens
-    got = kernel.quantized_matmul(jnp.asarray(x, jnp.bfloat16), w.values, w.scales, num_sms=platform.num_sms())
-    want = _reference(x, np.asarray(w.values.astype(jnp.float32)), np.asarray(w.scales), fmt == "fp8")
-    # bf16 output; int8 also rounds each scaled weight to bf16 before the tensor cores
+    offsets = w.offsets if w.offsets.size else None
+    got = kernel.quantized_matmul(jnp.asarray(x, jnp.bfloat16), w.values, w.scales, offsets, num_sms=platform.num_sms())
+    want = _reference(x, np.asarray(w.values.astype(jnp.float32)), np.asarray(w.scales), fmt == "fp8",
+                      np.asarray(w.offsets))
+    # bf16 output; int8 and int4 also round each scaled weight to bf16 before the tensor cores
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
@@ -200,7 +224,7 @@ def test_the_bf16_form_matches_xla_on_the_gpu(k, n, rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4", "bf16"])
 def test_a_model_runs_the_kernel_and_scores_as_through_xla(fmt, monkeypatch, tmp_path):
     """tiny-llama held in `fmt` (bf16: with kernels="mosaic"): its prompt logprobs with the kernel
     in its programs (the calls counted as they trace) against the same model's through XLA alone

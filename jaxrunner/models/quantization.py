@@ -179,15 +179,15 @@ def join_columns(parts: list) -> jax.Array | Quantized:
 
 def matmul(x: jax.Array, w: jax.Array | Quantized, *, num_sms: int = 0, dense: bool = False) -> jax.Array:
     """x [T, K] @ w [K, N] in x's dtype, whatever form w is held in. `num_sms` > 0 (a GPU's, set by
-    the runner with the Pallas kernels): the calls the Mosaic kernel supports run it (no offsets,
-    groups of 64 rows or more; with `dense`, bf16 weights' decode-shaped calls too), unless the
-    weight is split over devices (XLA's partitioner cannot split a kernel)."""
+    the runner with the Pallas kernels): the calls the Mosaic kernel supports run it (int8 without
+    offsets in groups of 64 rows or more, fp8, int4; with `dense`, bf16 weights' decode-shaped calls
+    too), unless the weight is split over devices (XLA's partitioner cannot split a kernel)."""
     if not isinstance(w, Quantized):
         if num_sms and dense and _unsplit() and quantized_matmul.dense_supported(x.shape[0], w):
             return quantized_matmul.dense_matmul(x, w, num_sms=num_sms)
         return x @ w
-    if num_sms and _unsplit() and not w.offsets.size and quantized_matmul.supported(x.shape[0], w.values, w.scales):
-        return quantized_matmul.quantized_matmul(x, w.values, w.scales, num_sms=num_sms)
+    if num_sms and _unsplit() and quantized_matmul.supported(x.shape[0], w.values, w.scales, w.offsets.size > 0):
+        return quantized_matmul.quantized_matmul(x, w.values, w.scales, w.offsets, num_sms=num_sms)
     # Widened only once its input exists: else XLA widens every layer's weight up front, all of
     # them live at once (a step's temporaries grew by the model's size in float32). fp8 ties the
     # weight to the tokens already scaled to e4m3, which round as they did without the tie.
