@@ -19,9 +19,11 @@ from driver import drive, perplexity
 
 from jaxrunner import LLM, EngineArgs, LoRARequest, ModelConfig, Runner, RunnerConfig, SamplingParams
 from jaxrunner.checkpoints.dummy import random_params, shape
-from jaxrunner.checkpoints.loader import held_as, load_model
+from jaxrunner.checkpoints import loader
+from jaxrunner.checkpoints.loader import held_as, held_config, load_model
 from jaxrunner.config import WeightFormat
 from jaxrunner.engine import model_files
+from jaxrunner.engine.engine_args import load_weights
 from jaxrunner.models.quantization import Quantized, QuantizedStorage, dequantize, matmul, quantize, storage_dtype, widened
 from jaxrunner.models.tensors import layer_tensors
 
@@ -150,6 +152,24 @@ def test_a_quantized_model_is_held_in_its_format_and_split_with_it(fmt):
     wo = runners[1].params["layers"][0]["wo"]  # split along its 64 rows: int4's 2 groups with them; one group
     assert wo.values.sharding.spec[1] == "model"  # (fp8's, and int8's of up to 128 rows) whole on each shard
     assert wo.scales.sharding.spec[0] == ("model" if fmt == "int4" else None)
+
+
+def test_random_weights_are_drawn_as_they_are_held(monkeypatch):
+    """`load_format="dummy"` with a quantization draws each layer straight into its format: no
+    dense model is quantized after (its weights, freed, left a GPU's pool in pieces too small for
+    the KV cache's arrays), and each weight is its float32 draw quantized."""
+    monkeypatch.setattr(loader, "quantize_params", lambda *a: pytest.fail("the dense draw was quantized after"))
+    args = EngineArgs(model="tiny", load_format="dummy", quantization="int4", seed=7)
+    cfg, params = load_weights(args, None, "bfloat16")
+    assert cfg.quantization == "int4"
+    drawn = random_params(shape("tiny"), "float32", 7)
+    for name in ("wqkv", "w_gate_up"):
+        held, want = params["layers"][1][name], quantize(drawn["layers"][1][name], "int4")
+        assert isinstance(held, Quantized) and held.values.dtype == jnp.uint4
+        assert np.mean(np.asarray(held.values) == np.asarray(want.values)) > 0.999
+        np.testing.assert_allclose(dequantize(held, jnp.float32), dequantize(want, jnp.float32), atol=1e-6)
+    with pytest.raises(ValueError, match="holds int4 weights; quantization='fp8' would round them again"):
+        held_config(cfg, "fp8")
 
 
 def test_a_format_or_split_that_cannot_be_is_named():

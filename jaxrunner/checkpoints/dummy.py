@@ -51,9 +51,3 @@ def dummy_config(model: str) -> ModelConfig:
     """The shape of `model` for `load_format="dummy"`: a checkpoint directory's (only its config.json
     is read) or a name in SHAPES."""
     return ModelConfig.from_hf(model) if os.path.isdir(model) else shape(model)
-
-
-def dummy_model(model: str, dtype: str, seed: int) -> tuple[ModelConfig, Params]:
-    """`load_format="dummy"`: random weights in the shape of `model` (`dummy_config`)."""
-    config = dummy_config(model)
-    return config, random_params(config, dtype, seed)

@@ -250,12 +250,18 @@ def load_model(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCo
     return checkpoint.config, checkpoint.load(dtype)
 
 
-def held_as(config: ModelConfig, params: Params, quantization: str | None) -> tuple[ModelConfig, Params]:
-    """A loaded model held in `quantization`'s format (`models.quantization`; None: as loaded)."""
+def held_config(config: ModelConfig, quantization: str | None) -> ModelConfig:
+    """`config` with its weights held in `quantization`'s format (`models.quantization`; None: as
+    the checkpoint holds them)."""
     if quantization is None or quantization == config.quantization:
-        return config, params
+        return config
     if config.quantization is not None:
         raise ValueError(f"the checkpoint holds {config.quantization} weights; quantization={quantization!r} would "
                          f"round them again: leave quantization unset (or {config.quantization!r})")
-    config = dataclasses.replace(config, quantization=quantization)
-    return config, quantize_params(config, params)
+    return dataclasses.replace(config, quantization=quantization)
+
+
+def held_as(config: ModelConfig, params: Params, quantization: str | None) -> tuple[ModelConfig, Params]:
+    """A loaded model held in `quantization`'s format (`held_config`)."""
+    held = held_config(config, quantization)
+    return (config, params) if held == config else (held, quantize_params(held, params))

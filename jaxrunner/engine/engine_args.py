@@ -24,8 +24,8 @@ from jaxrunner.engine.generation_config import check_generation_config
 from jaxrunner.engine.host_tier import in_flight_bytes, max_loads
 from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
-from jaxrunner.checkpoints.dummy import Params, dummy_config, dummy_model, random_params
-from jaxrunner.checkpoints.loader import Checkpoint, held_as, open_checkpoint
+from jaxrunner.checkpoints.dummy import Params, dummy_config, random_params
+from jaxrunner.checkpoints.loader import Checkpoint, held_as, held_config, open_checkpoint
 from jaxrunner.runner import Runner, bytes_per_block, lora_bytes
 
 logger = logging.getLogger(__name__)
@@ -334,10 +334,14 @@ def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) ->
     """The model's config and weights (the built-in tiny model, the checkpoint, or random weights),
     held in `args.quantization`'s format."""
     if checkpoint is not None:
-        config, params = checkpoint.config, checkpoint.load(dtype)
-    else:
-        config, params = default_model(dtype) if args.model is None else dummy_model(args.model, dtype, args.seed)
-    return held_as(config, params, args.quantization)
+        return held_as(checkpoint.config, checkpoint.load(dtype), args.quantization)
+    if args.model is None:
+        return held_as(*default_model(dtype), args.quantization)
+    # Random weights are drawn as they are held, a layer at a time. Drawn dense and quantized after,
+    # the dense ones, freed, left the device's pool in pieces too small for the KV cache's arrays
+    # (docs/benchmarks.md, fortieth session).
+    config = held_config(dummy_config(args.model), args.quantization)
+    return config, random_params(config, dtype, args.seed)
 
 
 def load_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple[ModelConfig, Params] | None:
