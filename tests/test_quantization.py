@@ -172,6 +172,20 @@ def test_random_weights_are_drawn_as_they_are_held(monkeypatch):
         held_config(cfg, "fp8")
 
 
+def test_a_checkpoint_is_quantized_as_it_is_read(monkeypatch):
+    """A dense checkpoint asked for a quantization is held so tensor by tensor as it loads (the
+    dense model is never on the device whole), with the same weights as the dense model quantized
+    after: each format's scales are per output column, so q|k|v quantized apart and then joined
+    are the joined weight quantized."""
+    path = DATA / "models" / "tiny-llama"
+    wanted = {fmt: held_as(*load_model(path, "float32"), fmt) for fmt in FORMATS}
+    monkeypatch.setattr(loader, "quantize_params", lambda *a: pytest.fail("the dense model was quantized after"))
+    for fmt, (want_cfg, want) in wanted.items():
+        cfg, params = load_weights(EngineArgs(model=str(path), quantization=fmt), loader.open_checkpoint(path), "float32")
+        assert cfg == want_cfg and isinstance(params["layers"][0]["wqkv"], Quantized)
+        jax.tree.map(np.testing.assert_array_equal, params, want)
+
+
 def test_a_format_or_split_that_cannot_be_is_named():
     with pytest.raises(ValueError, match="quantization must be one of fp8, int8, int4"):
         EngineArgs(quantization="int3")

@@ -57,9 +57,12 @@ class Checkpoint:
     parts: dict[object, list[Part]]
     fp8_block: tuple[int, int] | None = None  # an fp8 checkpoint's scale blocks (`fp8.block_size`)
 
-    def load(self, dtype: str = "float32") -> Params:
-        """Every param, stored in `dtype` as its tensor's storage holds it."""
-        top, layer = top_tensors(self.config), layer_tensors(self.config)
+    def load(self, dtype: str = "float32", held: ModelConfig | None = None) -> Params:
+        """Every param, stored in `dtype` as its tensor's storage holds it: as the checkpoint holds
+        it, or as `held` (`held_config`) does, each weight quantized as it is read, so the dense
+        model is never on the device whole."""
+        cfg = held or self.config
+        top, layer = top_tensors(cfg), layer_tensors(cfg)
         params = {name: self._read(name, t, dtype) for name, t in top.items()}
         params["layers"] = tuple({name: self._read((i, name), t, dtype) for name, t in layer.items()}
                                  for i in range(self.config.num_layers))
@@ -110,8 +113,13 @@ class SavedParams:
     path: str
     config: ModelConfig
 
-    def load(self, dtype: str = "float32") -> Params:
-        """Every param restored straight onto the device in `dtype` (orbax casts as it reads)."""
+    def load(self, dtype: str = "float32", held: ModelConfig | None = None) -> Params:
+        """Every param restored straight onto the device in `dtype` (orbax casts as it reads), then
+        held as `held` (`held_config`) says."""
+        params = self._restore(dtype)
+        return params if held is None or held == self.config else quantize_params(held, params)
+
+    def _restore(self, dtype: str) -> Params:
         import orbax.checkpoint as ocp
 
         params = _handed_over.pop(os.path.realpath(self.path), None)

@@ -334,7 +334,8 @@ def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) ->
     """The model's config and weights (the built-in tiny model, the checkpoint, or random weights),
     held in `args.quantization`'s format."""
     if checkpoint is not None:
-        return held_as(checkpoint.config, checkpoint.load(dtype), args.quantization)
+        held = held_config(checkpoint.config, args.quantization)
+        return held, checkpoint.load(dtype, held)
     if args.model is None:
         return held_as(*default_model(dtype), args.quantization)
     # Random weights are drawn as they are held, a layer at a time. Drawn dense and quantized after,
