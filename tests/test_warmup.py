@@ -87,17 +87,25 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
 
 
 def test_a_runner_driven_directly_after_warmup_compiles_nothing():
+    """Its samplers and prompt logprobs' programs, which hold no KV pages, were compiled by the
+    runner that sized its KV cache (as a GPU engine's KV sizing does) and serve it."""
     cfg, params = load_model(MODEL, "float32")
     config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_blocks=64)
-    runner = Runner(cfg, params, config)
+    sizing = Runner(cfg, params, dataclasses.replace(config, num_blocks=1))
+    sizing.peak_step_bytes(ahead=True)
+    runner = Runner(cfg, params, config, sized_by=sizing)
+    with pytest.raises(ValueError, match="KV cache's size alone"):
+        runner.programs.adopt(Runner(cfg, params, dataclasses.replace(config, max_num_seqs=2)).programs)
     heard = []
     report = runner.warmup(lambda done, total: heard.append((done, total)))
     # 3 token buckets x (backbone + prompt logprobs), one request bucket (4) x (block and token-row writes + 12
     # sampler variants), and with the Pallas kernels the decode form of the one token bucket a decode batch lands in
     assert report["programs"] == 3 * 2 + 14 + runner.kernels.pallas and report["kv_cache_tokens"] == 512
+    assert report["compiled_while_sizing"] == 3 + 12 and report["compiled"] == report["programs"] - 15
+    assert {key[0] for key in sizing.programs.compile_seconds} == {"forward", "sample", "prompt_logprobs"}
     # the lowering's seconds split by program kind, tracing a part of them
     by_kind = report["lowering_seconds_by_kind"]
-    assert {"forward", "sample", "write_blocks"} <= by_kind.keys()
+    assert {"forward", "write_blocks"} <= by_kind.keys() and "sample" not in by_kind
     assert sum(by_kind.values()) == pytest.approx(report["lowering_seconds"], abs=0.01 * len(by_kind))
     assert 0 < report["tracing_seconds"] < report["lowering_seconds"]
     # each compile thread's seconds, by kind, and the longest compiles: every program compiled here is in them
@@ -228,6 +236,18 @@ def _runner_and_programs() -> tuple[Runner, list]:
     cfg, params = load_model(MODEL, "float32")
     runner = Runner(cfg, params, RunnerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48, block_size=8, num_blocks=16))
     return runner, runner.programs.warmup_programs()
+
+
+def test_the_weights_compile_into_the_persistent_cache(monkeypatch, tmp_path, fresh_jax_cache):
+    """Random weights' draws (and quantizing) compile programs of their own before any runner is
+    made: JAX's persistent cache is on by then, so a warm start finds them too."""
+    monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path))
+    seen, load = [], engine_module.load_weights
+    monkeypatch.setattr(engine_module, "load_weights",
+                        lambda *a: seen.append(jax.config.jax_compilation_cache_dir) or load(*a))
+    LLM("tiny", load_format="dummy", skip_tokenizer_init=True, max_model_len=64)
+    assert seen == [str(tmp_path / "xla")]
+    assert any(f.name.startswith("jit__draw") for f in (tmp_path / "xla").iterdir())
 
 
 def test_program_cache_loads_every_program_without_lowering_and_runs_the_same(tmp_path, fresh_jax_cache):

@@ -48,6 +48,7 @@ from jaxrunner.engine.default_model import default_tokenizer
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.engine.engine_args import (
     EngineArgs,
+    compilation_cache_dir,
     conversion_dtype,
     host_tier_max_loads,
     load_draft_model,
@@ -126,6 +127,8 @@ class LLMEngine:
         """`defer_warm_up`: leave the programs' compilation to an explicit `warm_up()` (a server
         opens its port first and answers /health "starting" meanwhile)."""
         platform.claim_gpu_memory()  # before anything starts JAX's backend
+        # before the weights load: random weights' draws and quantizing compile programs too
+        platform.use_compilation_cache(compilation_cache_dir())
         built_in = False
         if args.load_format == "auto":  # the model's files on local disk (None: the tiny random model)
             need_tokenizer = args.tokenizer is None and not args.skip_tokenizer_init
@@ -147,9 +150,10 @@ class LLMEngine:
         eos = tuple(dict.fromkeys((*tokenizer_eos, *model_config.eos_token_ids)))
         self.model_config = dataclasses.replace(model_config, eos_token_ids=eos)
         draft = load_draft_model(args, self.model_config, dtype)
-        self.config = runner_config(args, self.model_config, params, dtype, draft)
+        self.config, sizing = runner_config(args, self.model_config, params, dtype, draft)
         sized = time.perf_counter()
-        self.runner = Runner(self.model_config, params, self.config, draft)
+        self.runner = Runner(self.model_config, params, self.config, draft, sized_by=sizing)
+        del sizing
         with self._out_of_memory_named("making the KV cache"):
             self.state = self.runner.init_state()
         self.processor = Processor(self.tokenizer, self.runner.check_sampling_params, self.config.max_model_len,

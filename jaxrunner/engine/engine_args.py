@@ -199,9 +199,15 @@ def resolve_dtype(args: EngineArgs) -> str:
     return conversion_dtype(args)
 
 
+def compilation_cache_dir() -> str:
+    return os.path.join(cache_dir(), "xla")
+
+
 def runner_config(
     args: EngineArgs, model: ModelConfig, params: Params, dtype: str, draft: tuple[ModelConfig, Params] | None = None
-) -> RunnerConfig:
+) -> tuple[RunnerConfig, Runner | None]:
+    """The runner's configuration, and the runner that sized its KV cache on a GPU (None elsewhere or
+    with `num_gpu_blocks_override`), whose programs the runner adopts (`Runner(sized_by=)`)."""
     gpu = platform.on_gpu()
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -223,9 +229,11 @@ def runner_config(
         max_model_len=max_model_len,
         num_blocks=1,
         dtype=dtype,
-        compilation_cache_dir=os.path.join(cache_dir(), "xla"),
+        compilation_cache_dir=compilation_cache_dir(),
     )
-    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes, draft))
+    num_blocks, sizing = (args.num_gpu_blocks_override, None) if args.num_gpu_blocks_override else _num_blocks(
+        args, model, params, sizes, draft)
+    cfg = dataclasses.replace(sizes, num_blocks=num_blocks)
     cfg = dataclasses.replace(cfg, num_host_blocks=_num_host_blocks(args, model, cfg, draft))
     if (cfg.num_blocks - null_blocks(model.group_windows)) < (need := request_blocks(model, cfg, max_model_len)):
         raise ValueError(
@@ -233,7 +241,7 @@ def runner_config(
             f"max_model_len={max_model_len} tokens ({need} blocks over the model's KV-cache groups); raise "
             "num_gpu_blocks_override / gpu_memory_utilization or lower max_model_len"
         )
-    return cfg
+    return cfg, sizing
 
 
 def _num_host_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig,
@@ -276,7 +284,7 @@ def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
 
 def _num_blocks(
     args: EngineArgs, model: ModelConfig, params: Params, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None
-) -> int:
+) -> tuple[int, Runner | None]:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (measured from its compiled executables)
     are set aside. On CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but
@@ -286,8 +294,9 @@ def _num_blocks(
     per_block = bytes_per_block(model, cfg, draft[0] if draft else None)  # on each device
     if not stats:
         one = request_blocks(model, cfg, cfg.max_model_len)
-        return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block))
-    activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1), draft).peak_step_bytes()
+        return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block)), None
+    sizing = Runner(model, params, dataclasses.replace(cfg, num_blocks=1), draft)
+    activations = sizing.peak_step_bytes(ahead=True)
     copies = host_tier_bytes(args, cfg, per_block)
     in_use = stats["bytes_in_use"] + lora_bytes(model, cfg)  # the adapter slots come after sizing
     blocks = kv_blocks_that_fit(stats["bytes_limit"], in_use, activations + copies, args.gpu_memory_utilization,
@@ -295,7 +304,7 @@ def _num_blocks(
     logger.info("KV cache sizing: %.2f GiB device, %.2f GiB in use (weights), %.2f GiB for the largest step's "
                 "activations, %.2f GiB for the host tier's copies: %d blocks", stats["bytes_limit"] / 2**30,
                 stats["bytes_in_use"] / 2**30, activations / 2**30, copies / 2**30, blocks)
-    return blocks
+    return blocks, sizing
 
 
 def host_tier_bytes(args: EngineArgs, cfg: RunnerConfig, per_block: int) -> int:

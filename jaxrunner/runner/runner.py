@@ -26,13 +26,14 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.checkpoints.loader import load_model
+from jaxrunner import platform
 from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
 from jaxrunner.lora.adapters import Adapters
 from jaxrunner.lora.slots import init_lora
@@ -49,6 +50,7 @@ from jaxrunner.runner.plan import StepPlan, bucket_tiers, prepare, warmup_schedu
 from jaxrunner.runner.programs import (
     DECODE_LOOP,
     FORWARD,
+    KV_FREE,
     PROMPT_LOGPROBS,
     SAMPLE,
     SPEC_SAMPLE,
@@ -85,8 +87,10 @@ class Runner:
 
     def __init__(
         self, model_config: ModelConfig, params: Params, config: RunnerConfig = RunnerConfig(),
-        draft: tuple[ModelConfig, Params] | None = None,
+        draft: tuple[ModelConfig, Params] | None = None, sized_by: Runner | None = None,
     ) -> None:
+        """`sized_by`: the runner whose `peak_step_bytes(ahead=True)` sized this one's KV cache; its
+        programs that hold no KV pages are this one's (`Programs.adopt`)."""
         tp, replica = config.tensor_parallel_size, config.data_parallel_rank
         self.mesh = make_mesh(tp, replica) if tp > 1 or replica > 0 else None
         config.check_model(model_config, None if draft is None else draft[0])
@@ -102,6 +106,8 @@ class Runner:
         self.kernels = Kernels.choose(config.kernels, config.batch_invariant)
         self.ctx = Context(model_config, config, self.kernels, str(params["embed"].dtype), self.draft_model, self.mesh)
         self.programs = shared_programs(self.ctx)
+        if sized_by is not None:
+            self.programs.adopt(sized_by.programs)
         self._serving = self.ctx  # what steps are planned with: a background warm-up's tier meanwhile (`warmup`)
         self._warming: threading.Thread | None = None
         self._stop_warming = threading.Event()
@@ -113,8 +119,7 @@ class Runner:
         self._rng = np.random.default_rng(config.seed)
         self._forwarded: _Forwarded | PendingOutput | None = None  # a step between execute_model and sample_tokens
         if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            platform.use_compilation_cache(config.compilation_cache_dir)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, config: RunnerConfig = RunnerConfig()) -> Runner:
@@ -213,11 +218,12 @@ class Runner:
             write_masks(plan.samples.sampling.grammar_bitmask, plan.order, plan.sched, grammar_bitmask,
                         self.ctx.queries_per_decode)
         self._forwarded = None
-        named = dict(params=self.params, state=state, last_hidden=fwd.last_hidden, samples=plan.samples, flags=plan.flags)
+        named = dict(params=self.params, last_hidden=fwd.last_hidden, samples=plan.samples, flags=plan.flags)
         if self.ctx.spec_tokens:
-            out, num_kept, drafts, state = self.programs.run(SPEC_SAMPLE, draft_params=self.draft_params, **named)
+            out, num_kept, drafts, state = self.programs.run(SPEC_SAMPLE, draft_params=self.draft_params, state=state,
+                                                             **named)
         else:
-            (out, state), num_kept, drafts = self.programs.run(SAMPLE, **named), None, None
+            out, state, num_kept, drafts = *self._sample(state, **named), None, None
         prompt_logprobs = self._prompt_logprobs.score(plan.scoring, lambda rows, targets: self.programs.run(
             PROMPT_LOGPROBS, params=self.params, hidden=fwd.hidden, rows=rows, targets=targets),
             self.model_config.vocab_size)
@@ -250,6 +256,10 @@ class Runner:
             leaf.copy_to_host_async()
         return PendingOutput(list(plan.order), plan.steps, plan.num_top, out, prompt_logprobs, num_kept, drafts)
 
+    def _sample(self, state: RunnerState, **named) -> tuple[SamplerOutput, RunnerState]:
+        out, token_ids = self.programs.run(SAMPLE, token_ids=state.token_ids, **named)
+        return out, replace(state, token_ids=token_ids)
+
     def _decode(self, state: RunnerState, plan: StepPlan) -> tuple[SamplerOutput, RunnerState]:
         """Multi-step decode: in one call for plain sampling (`Context.loops`), else its rounds one
         by one through the single-step programs (same rounds, more dispatches)."""
@@ -263,8 +273,8 @@ class Runner:
             last_hidden, _, state = self.programs.run(FORWARD, params=self.params, draft_params=self.draft_params,
                                                       lora=self.lora, state=state, tokens=tokens,
                                                       uniform_decode=plan.uniform_decode)
-            out, state = self.programs.run(SAMPLE, params=self.params, state=state, last_hidden=last_hidden,
-                                           samples=samples, flags=plan.flags)
+            out, state = self._sample(state, params=self.params, last_hidden=last_hidden, samples=samples,
+                                      flags=plan.flags)
             outs.append(out)
         return jax.tree.map(lambda *xs: jnp.stack(xs), *outs), state
 
@@ -304,6 +314,7 @@ class Runner:
             **compile_report({p.key: programs.compile_seconds[p.key] for p in first if p.key in programs.compile_seconds
                               and p.key not in compiled_before}),
             "loaded_from_cache": programs.loaded - loaded,  # of `compiled`: read from the program cache
+            "compiled_while_sizing": programs.adopted,  # of `programs`, by KV sizing's runner: not in `compiled`
             "kv_cache_blocks": cfg.num_blocks,
             "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
             "kv_cache_gib": round(kv_cache_bytes(self.model_config, cfg) / 2**30, 3),
@@ -358,23 +369,27 @@ class Runner:
         self._stop_warming.set()
         self.join_warmup()
 
-    def peak_step_bytes(self) -> int:
+    def peak_step_bytes(self, ahead: bool = False) -> int:
         """Temporary device memory of the largest step, from the compiled executables of the largest
         token bucket's backbone, the fullest sampler at the largest request bucket and, where steps
         run several at a time, the largest decode loop (it holds a backbone's and a sampler's
         temporaries at once): a profiling compile that needs no cache allocated (the cache is
-        aliased, so its size changes nothing), the programs compiled side by side."""
+        aliased, so its size changes nothing), the programs compiled side by side.
+
+        `ahead`: compile beside them every warm-up program that holds no KV pages (`KV_FREE`), for
+        the runner of the cache's final size to adopt (`sized_by`): the compile threads are mostly
+        idle while the few measured programs compile, and warm-up cannot begin before they end."""
         ctx = self.ctx
         flags, b = ctx.sampler_variants[-1], self.config.request_buckets[-1]
-        named = dict(params=ctx.params, state=ctx.state, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags),
-                     flags=flags)
+        named = dict(params=ctx.params, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags), flags=flags)
         if ctx.spec_tokens:
-            sampler = self.programs.program(SPEC_SAMPLE, draft_params=ctx.draft_params, **named)
+            sampler = self.programs.program(SPEC_SAMPLE, draft_params=ctx.draft_params, state=ctx.state, **named)
         else:
-            sampler = self.programs.program(SAMPLE, **named)
+            sampler = self.programs.program(SAMPLE, token_ids=ctx.state.token_ids, **named)
         loops = self.programs.examples(DECODE_LOOP)[:1]  # the largest first
-        programs = [self._forward_program(self.config.max_num_batched_tokens), sampler, *loops]
-        self.programs.compile_all(programs)
+        programs = [self._forward_program(self.config.max_num_batched_tokens), *loops, sampler]
+        kv_free = [p for p in self.programs.warmup_programs() if p.kind in KV_FREE] if ahead else []
+        self.programs.compile_all(programs + kv_free)  # the slowest first
         return max(self.programs.executable(p).memory_analysis().temp_size_in_bytes for p in programs)
 
     def compile_forward(self, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:

@@ -9,7 +9,7 @@
   sequence's last 1 + k tokens ([S, 1 + k] rows, S = max_num_seqs; k drafts, 0 without
   speculative decoding).
 - `sample_step` (one graph per request bucket and sampler variant): logits for the batch's rows,
-  sample, append the tokens that complete a request's known tokens to its row. With speculative
+  sample, append the tokens that complete a request's known tokens to its row of `token_ids`. With speculative
   decoding `spec_decode.sample.spec_sample_step` runs in its place.
 - `decode_loop` (multi-step decode, one graph per request bucket, sampler variant and step count):
   `num_steps` rounds of forward + sample in one device call, each feeding its tokens to the next.
@@ -289,20 +289,21 @@ def forward_step(
 
 
 def sample_step(
-    params: Params, state: RunnerState, last_hidden: jax.Array, samples: SampleInputs, *, model: ModelConfig,
+    params: Params, token_ids: jax.Array, last_hidden: jax.Array, samples: SampleInputs, *, model: ModelConfig,
     kernels: Kernels, flags: SamplerFlags,
-) -> tuple[SamplerOutput, RunnerState]:
+) -> tuple[SamplerOutput, jax.Array]:
+    """Takes the state's token rows, not the whole state: a sampler's program then holds no KV cache
+    among its arguments, so it neither depends on the cache's size nor passes its pages through."""
     logits = full_logits(params, model, last_hidden[: samples.commit_rows.shape[0], 0], logits_matmul(kernels))
     if flags.penalties or flags.bad_words:
-        history = state.token_ids[samples.history_rows]
+        history = token_ids[samples.history_rows]
     else:
         history = jnp.zeros((logits.shape[0], 0), jnp.int32)
     def draw(rows: tuple) -> SamplerOutput:
         return sample(rows[0], rows[1], flags, rows[2], kernels)
 
     out = per_row(draw, (logits, samples.sampling, history), kernels.batch_invariant and flags.sums_rows)
-    token_ids = state.token_ids.at[samples.commit_rows, samples.sampling.positions].set(out.tokens, mode="drop")
-    return out, dataclasses.replace(state, token_ids=token_ids)
+    return out, token_ids.at[samples.commit_rows, samples.sampling.positions].set(out.tokens, mode="drop")
 
 
 def decode_round(
@@ -361,8 +362,9 @@ def decode_loop(
         last_hidden, _, state = forward_step(params, {}, lora, state, tok, model=model, draft_model=None, kernels=kernels,
                                              uniform_decode=uniform_decode, queries_per_seq=1, max_loras=max_loras,
                                              kv_scales=kv_scales)
-        out, state = sample_step(params, state, last_hidden, smp, model=model, kernels=kernels, flags=flags)
-        return state, out
+        out, token_ids = sample_step(params, state.token_ids, last_hidden, smp, model=model, kernels=kernels,
+                                     flags=flags)
+        return dataclasses.replace(state, token_ids=token_ids), out
 
     state, outs = jax.lax.scan(round_, state, jnp.arange(num_steps))
     return outs, state
