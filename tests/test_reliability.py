@@ -59,9 +59,9 @@ def test_the_interpreter_exits_cleanly_with_steps_in_flight(tmp_path):
     script = tmp_path / "exit.py"
     script.write_text(EXIT_SCRIPT)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    codes = [subprocess.run([sys.executable, str(script)], env=env, capture_output=True, timeout=300).returncode
-             for _ in range(10)]
-    assert codes == [0] * 10
+    runs = [subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(10)]
+    assert [run.returncode for run in runs] == [0] * 10, next(run.stderr[-2000:] for run in runs if run.returncode)
 
 
 def test_generate_returns_with_nothing_in_flight(llm):

@@ -21,8 +21,9 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 from driver import drive
 
-from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
+from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput, platform
 from jaxrunner.engine import engine as engine_module
+from jaxrunner.engine import engine_args
 from jaxrunner.runner import programs as programs_table
 from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.checkpoints.loader import load_model
@@ -49,13 +50,16 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     Pallas kernels (interpreted here) the decode form of the backbone too. Warm-up's progress is
     logged (stderr is no terminal here), ending with every program ready. No KV page is alive
     while warm-up compiles (XLA's GPU autotuner allocates as it compiles), and on a CPU no program
-    runs ahead of the workload."""
+    runs ahead of the workload. The KV cache is sized as on a GPU (the device's pool stands in):
+    the samplers and prompt logprobs' programs that sizing compiled are warm-up's."""
     caplog.set_level(logging.INFO, logger="jaxrunner.engine.warmup_progress")
     live, compile_all, ran, run_each_once = [], Programs.compile_all, [], Runner.run_each_once
     monkeypatch.setattr(Programs, "compile_all", lambda self, *args, **kwargs: live.append(
         {x.shape for x in jax.live_arrays()}) or compile_all(self, *args, **kwargs))
     monkeypatch.setattr(Runner, "run_each_once", lambda self, state: ran.append(self) or run_each_once(self, state))
-    llm = LLM(TINY_MODEL, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8, num_gpu_blocks_override=16,
+    monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_in_use": 2**30, "bytes_limit": 2**34})
+    monkeypatch.setattr(engine_args, "kv_blocks_that_fit", lambda *args: 16)
+    llm = LLM(TINY_MODEL, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8,
               num_scheduler_steps=4, enforce_eager=False, kernels=kernels)
     pages = {x.shape for x in jax.tree.leaves(llm.llm_engine.state.kv)}
     assert live and not any(pages & shapes for shapes in live)
@@ -64,7 +68,10 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     # 2 token buckets x (backbone + prompt logprobs) + the decode forms (the 16-token bucket holds a
     # decode batch); one request bucket (4: the buckets start at 16 or max_num_seqs) x (block and token-row
     # writes + 12 sampler variants + 2 decode loops)
-    assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + (2 + 12 + 2)
+    startup = llm.llm_engine.startup
+    assert startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + (2 + 12 + 2)
+    assert startup["kv_cache_blocks"] == 16 and startup["compiled_while_sizing"] == 2 + 12
+    assert startup["compiled"] == startup["programs"] - 14
     total = len(programs.warm)
     assert caplog.messages[-1].startswith(f"warm-up: {total} of {total} programs ready")
     programs.asked.clear()  # what the workload asks for, from here (on a GPU warm-up ran each program once)
@@ -93,7 +100,7 @@ def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_blocks=64)
     sizing = Runner(cfg, params, dataclasses.replace(config, num_blocks=1))
     sizing.peak_step_bytes(ahead=True)
-    runner = Runner(cfg, params, config, sized_by=sizing)
+    runner = Runner(cfg, params, config, sized_by=sizing.programs)
     with pytest.raises(ValueError, match="KV cache's size alone"):
         runner.programs.adopt(Runner(cfg, params, dataclasses.replace(config, max_num_seqs=2)).programs)
     heard = []

@@ -153,7 +153,6 @@ class LLMEngine:
         self.config, sizing = runner_config(args, self.model_config, params, dtype, draft)
         sized = time.perf_counter()
         self.runner = Runner(self.model_config, params, self.config, draft, sized_by=sizing)
-        del sizing
         with self._out_of_memory_named("making the KV cache"):
             self.state = self.runner.init_state()
         self.processor = Processor(self.tokenizer, self.runner.check_sampling_params, self.config.max_model_len,

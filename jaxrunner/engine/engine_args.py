@@ -26,7 +26,7 @@ from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.checkpoints.dummy import Params, dummy_config, random_params
 from jaxrunner.checkpoints.loader import Checkpoint, held_as, held_config, open_checkpoint
-from jaxrunner.runner import Runner, bytes_per_block, lora_bytes
+from jaxrunner.runner import Programs, Runner, bytes_per_block, lora_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -205,9 +205,10 @@ def compilation_cache_dir() -> str:
 
 def runner_config(
     args: EngineArgs, model: ModelConfig, params: Params, dtype: str, draft: tuple[ModelConfig, Params] | None = None
-) -> tuple[RunnerConfig, Runner | None]:
-    """The runner's configuration, and the runner that sized its KV cache on a GPU (None elsewhere or
-    with `num_gpu_blocks_override`), whose programs the runner adopts (`Runner(sized_by=)`)."""
+) -> tuple[RunnerConfig, Programs | None]:
+    """The runner's configuration, and the programs of the runner that sized its KV cache on a GPU
+    (None elsewhere or with `num_gpu_blocks_override`), for the runner to adopt (`Runner(sized_by=)`).
+    Only the programs: the sizing runner's weights (a copy, laid out for tensor parallelism) go."""
     gpu = platform.on_gpu()
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -284,7 +285,7 @@ def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
 
 def _num_blocks(
     args: EngineArgs, model: ModelConfig, params: Params, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None
-) -> tuple[int, Runner | None]:
+) -> tuple[int, Programs | None]:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (measured from its compiled executables)
     are set aside. On CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but
@@ -304,7 +305,7 @@ def _num_blocks(
     logger.info("KV cache sizing: %.2f GiB device, %.2f GiB in use (weights), %.2f GiB for the largest step's "
                 "activations, %.2f GiB for the host tier's copies: %d blocks", stats["bytes_limit"] / 2**30,
                 stats["bytes_in_use"] / 2**30, activations / 2**30, copies / 2**30, blocks)
-    return blocks, sizing
+    return blocks, sizing.programs
 
 
 def host_tier_bytes(args: EngineArgs, cfg: RunnerConfig, per_block: int) -> int:

@@ -58,6 +58,7 @@ from jaxrunner.runner.programs import (
     WRITE_LORA,
     WRITE_TOKENS,
     Program,
+    Programs,
     Progress,
     compile_report,
     shared_programs,
@@ -87,10 +88,10 @@ class Runner:
 
     def __init__(
         self, model_config: ModelConfig, params: Params, config: RunnerConfig = RunnerConfig(),
-        draft: tuple[ModelConfig, Params] | None = None, sized_by: Runner | None = None,
+        draft: tuple[ModelConfig, Params] | None = None, sized_by: Programs | None = None,
     ) -> None:
-        """`sized_by`: the runner whose `peak_step_bytes(ahead=True)` sized this one's KV cache; its
-        programs that hold no KV pages are this one's (`Programs.adopt`)."""
+        """`sized_by`: the programs of the runner whose `peak_step_bytes(ahead=True)` sized this one's
+        KV cache; those that hold no KV pages are this one's (`Programs.adopt`)."""
         tp, replica = config.tensor_parallel_size, config.data_parallel_rank
         self.mesh = make_mesh(tp, replica) if tp > 1 or replica > 0 else None
         config.check_model(model_config, None if draft is None else draft[0])
@@ -107,7 +108,7 @@ class Runner:
         self.ctx = Context(model_config, config, self.kernels, str(params["embed"].dtype), self.draft_model, self.mesh)
         self.programs = shared_programs(self.ctx)
         if sized_by is not None:
-            self.programs.adopt(sized_by.programs)
+            self.programs.adopt(sized_by)
         self._serving = self.ctx  # what steps are planned with: a background warm-up's tier meanwhile (`warmup`)
         self._warming: threading.Thread | None = None
         self._stop_warming = threading.Event()
