@@ -74,6 +74,8 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     assert startup["compiled"] == startup["programs"] - 14
     total = len(programs.warm)
     assert caplog.messages[-1].startswith(f"warm-up: {total} of {total} programs ready")
+    sized = 2 + 14  # the largest backbone and decode loop, measured, and the 14 programs adopted
+    assert any(m.startswith(f"KV sizing: {sized} of {sized} programs ready") for m in caplog.messages)
     programs.asked.clear()  # what the workload asks for, from here (on a GPU warm-up ran each program once)
     prompts = ["Hello there, how are", "A longer prompt that needs a second chunk of tokens", "x", "Once upon a time"]
     outs = llm.generate(prompts, [dataclasses.replace(p, max_tokens=14) for p in MIXED], use_tqdm=False)

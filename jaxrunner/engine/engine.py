@@ -150,7 +150,7 @@ class LLMEngine:
         eos = tuple(dict.fromkeys((*tokenizer_eos, *model_config.eos_token_ids)))
         self.model_config = dataclasses.replace(model_config, eos_token_ids=eos)
         draft = load_draft_model(args, self.model_config, dtype)
-        self.config, sizing = runner_config(args, self.model_config, params, dtype, draft)
+        self.config, sizing = runner_config(args, self.model_config, params, dtype, draft, WarmupProgress("KV sizing"))
         sized = time.perf_counter()
         self.runner = Runner(self.model_config, params, self.config, draft, sized_by=sizing)
         with self._out_of_memory_named("making the KV cache"):

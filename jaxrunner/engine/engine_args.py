@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,11 +205,13 @@ def compilation_cache_dir() -> str:
 
 
 def runner_config(
-    args: EngineArgs, model: ModelConfig, params: Params, dtype: str, draft: tuple[ModelConfig, Params] | None = None
+    args: EngineArgs, model: ModelConfig, params: Params, dtype: str, draft: tuple[ModelConfig, Params] | None = None,
+    progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> tuple[RunnerConfig, Programs | None]:
     """The runner's configuration, and the programs of the runner that sized its KV cache on a GPU
     (None elsewhere or with `num_gpu_blocks_override`), for the runner to adopt (`Runner(sized_by=)`).
-    Only the programs: the sizing runner's weights (a copy, laid out for tensor parallelism) go."""
+    Only the programs: the sizing runner's weights (a copy, laid out for tensor parallelism) go.
+    `progress(done, total)` hears of each of sizing's programs ready."""
     gpu = platform.on_gpu()
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -233,7 +236,7 @@ def runner_config(
         compilation_cache_dir=compilation_cache_dir(),
     )
     num_blocks, sizing = (args.num_gpu_blocks_override, None) if args.num_gpu_blocks_override else _num_blocks(
-        args, model, params, sizes, draft)
+        args, model, params, sizes, draft, progress)
     cfg = dataclasses.replace(sizes, num_blocks=num_blocks)
     cfg = dataclasses.replace(cfg, num_host_blocks=_num_host_blocks(args, model, cfg, draft))
     if (cfg.num_blocks - null_blocks(model.group_windows)) < (need := request_blocks(model, cfg, max_model_len)):
@@ -284,7 +287,8 @@ def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
 
 
 def _num_blocks(
-    args: EngineArgs, model: ModelConfig, params: Params, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None
+    args: EngineArgs, model: ModelConfig, params: Params, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None,
+    progress: Callable[[int, int], None],
 ) -> tuple[int, Programs | None]:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (measured from its compiled executables)
@@ -297,7 +301,8 @@ def _num_blocks(
         one = request_blocks(model, cfg, cfg.max_model_len)
         return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block)), None
     sizing = Runner(model, params, dataclasses.replace(cfg, num_blocks=1), draft)
-    activations = sizing.peak_step_bytes(ahead=True)
+    # the warm-up's programs that hold no KV pages compile beside those measured: none without a warm-up
+    activations = sizing.peak_step_bytes(ahead=warm_up(args), progress=progress)
     copies = host_tier_bytes(args, cfg, per_block)
     in_use = stats["bytes_in_use"] + lora_bytes(model, cfg)  # the adapter slots come after sizing
     blocks = kv_blocks_that_fit(stats["bytes_limit"], in_use, activations + copies, args.gpu_memory_utilization,

@@ -370,7 +370,7 @@ class Runner:
         self._stop_warming.set()
         self.join_warmup()
 
-    def peak_step_bytes(self, ahead: bool = False) -> int:
+    def peak_step_bytes(self, ahead: bool = False, progress: Progress = lambda done, total: None) -> int:
         """Temporary device memory of the largest step, from the compiled executables of the largest
         token bucket's backbone, the fullest sampler at the largest request bucket and, where steps
         run several at a time, the largest decode loop (it holds a backbone's and a sampler's
@@ -379,7 +379,8 @@ class Runner:
 
         `ahead`: compile beside them every warm-up program that holds no KV pages (`KV_FREE`), for
         the runner of the cache's final size to adopt (`sized_by`): the compile threads are mostly
-        idle while the few measured programs compile, and warm-up cannot begin before they end."""
+        idle while the few measured programs compile, and warm-up cannot begin before they end.
+        `progress(done, total)` hears of each program ready."""
         ctx = self.ctx
         flags, b = ctx.sampler_variants[-1], self.config.request_buckets[-1]
         named = dict(params=ctx.params, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags), flags=flags)
@@ -389,8 +390,9 @@ class Runner:
             sampler = self.programs.program(SAMPLE, token_ids=ctx.state.token_ids, **named)
         loops = self.programs.examples(DECODE_LOOP)[:1]  # the largest first
         programs = [self._forward_program(self.config.max_num_batched_tokens), *loops, sampler]
-        kv_free = [p for p in self.programs.warmup_programs() if p.kind in KV_FREE] if ahead else []
-        self.programs.compile_all(programs + kv_free)  # the slowest first
+        measured = {p.key for p in programs}
+        kv_free = [p for p in self.programs.warmup_programs() if p.kind in KV_FREE and p.key not in measured] if ahead else []
+        self.programs.compile_all(programs + kv_free, progress=progress)  # the slowest first
         return max(self.programs.executable(p).memory_analysis().temp_size_in_bytes for p in programs)
 
     def compile_forward(self, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
