@@ -42,19 +42,6 @@ def test_the_reservation_covers_the_multi_step_decode_loop():
     assert runner.peak_step_bytes() >= loop
 
 
-def test_an_engine_without_a_warm_up_sizes_its_cache_on_the_measured_programs_alone(monkeypatch):
-    """With `enforce_eager` every program compiles on first use: KV sizing (a GPU's, the device's pool
-    standing in) compiles only the programs it measures, not the samplers a warm-up would adopt."""
-    from jaxrunner import LLM
-    from jaxrunner.engine import engine_args
-
-    monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_in_use": 2**30, "bytes_limit": 2**34})
-    monkeypatch.setattr(engine_args, "kv_blocks_that_fit", lambda *args: 16)
-    programs = LLM(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, enforce_eager=True).llm_engine.runner.programs
-    assert programs.adopted == 1  # the fullest sampler, measured
-    assert not programs.compile_seconds  # nothing else compiled yet
-
-
 def test_blocks_fit_beside_the_weights_and_the_step():
     gib = 2**30
     assert kv_blocks_that_fit(100 * gib, 16 * gib, 2 * gib, 0.9, gib // 8) == 8 * (90 - 16 - 2)

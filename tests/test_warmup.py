@@ -21,9 +21,8 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 from driver import drive
 
-from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput, platform
+from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
 from jaxrunner.engine import engine as engine_module
-from jaxrunner.engine import engine_args
 from jaxrunner.runner import programs as programs_table
 from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.checkpoints.loader import load_model
@@ -50,16 +49,13 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     Pallas kernels (interpreted here) the decode form of the backbone too. Warm-up's progress is
     logged (stderr is no terminal here), ending with every program ready. No KV page is alive
     while warm-up compiles (XLA's GPU autotuner allocates as it compiles), and on a CPU no program
-    runs ahead of the workload. The KV cache is sized as on a GPU (the device's pool stands in):
-    the samplers and prompt logprobs' programs that sizing compiled are warm-up's."""
+    runs ahead of the workload."""
     caplog.set_level(logging.INFO, logger="jaxrunner.engine.warmup_progress")
     live, compile_all, ran, run_each_once = [], Programs.compile_all, [], Runner.run_each_once
     monkeypatch.setattr(Programs, "compile_all", lambda self, *args, **kwargs: live.append(
         {x.shape for x in jax.live_arrays()}) or compile_all(self, *args, **kwargs))
     monkeypatch.setattr(Runner, "run_each_once", lambda self, state: ran.append(self) or run_each_once(self, state))
-    monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_in_use": 2**30, "bytes_limit": 2**34})
-    monkeypatch.setattr(engine_args, "kv_blocks_that_fit", lambda *args: 16)
-    llm = LLM(TINY_MODEL, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8,
+    llm = LLM(TINY_MODEL, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8, num_gpu_blocks_override=16,
               num_scheduler_steps=4, enforce_eager=False, kernels=kernels)
     pages = {x.shape for x in jax.tree.leaves(llm.llm_engine.state.kv)}
     assert live and not any(pages & shapes for shapes in live)
@@ -68,14 +64,9 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
     # 2 token buckets x (backbone + prompt logprobs) + the decode forms (the 16-token bucket holds a
     # decode batch); one request bucket (4: the buckets start at 16 or max_num_seqs) x (block and token-row
     # writes + 12 sampler variants + 2 decode loops)
-    startup = llm.llm_engine.startup
-    assert startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + (2 + 12 + 2)
-    assert startup["kv_cache_blocks"] == 16 and startup["compiled_while_sizing"] == 2 + 12
-    assert startup["compiled"] == startup["programs"] - 14
+    assert llm.llm_engine.startup["programs"] == len(programs.warm) == 2 * 2 + decode_forms + (2 + 12 + 2)
     total = len(programs.warm)
     assert caplog.messages[-1].startswith(f"warm-up: {total} of {total} programs ready")
-    sized = 2 + 14  # the largest backbone and decode loop, measured, and the 14 programs adopted
-    assert any(m.startswith(f"KV sizing: {sized} of {sized} programs ready") for m in caplog.messages)
     programs.asked.clear()  # what the workload asks for, from here (on a GPU warm-up ran each program once)
     prompts = ["Hello there, how are", "A longer prompt that needs a second chunk of tokens", "x", "Once upon a time"]
     outs = llm.generate(prompts, [dataclasses.replace(p, max_tokens=14) for p in MIXED], use_tqdm=False)
@@ -96,25 +87,17 @@ def test_every_program_a_varied_workload_asks_for_was_warmed_up(kernels, decode_
 
 
 def test_a_runner_driven_directly_after_warmup_compiles_nothing():
-    """Its samplers and prompt logprobs' programs, which hold no KV pages, were compiled by the
-    runner that sized its KV cache (as a GPU engine's KV sizing does) and serve it."""
     cfg, params = load_model(MODEL, "float32")
     config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_blocks=64)
-    sizing = Runner(cfg, params, dataclasses.replace(config, num_blocks=1))
-    sizing.peak_step_bytes(ahead=True)
-    runner = Runner(cfg, params, config, sized_by=sizing.programs)
-    with pytest.raises(ValueError, match="KV cache's size alone"):
-        runner.programs.adopt(Runner(cfg, params, dataclasses.replace(config, max_num_seqs=2)).programs)
+    runner = Runner(cfg, params, config)
     heard = []
     report = runner.warmup(lambda done, total: heard.append((done, total)))
     # 3 token buckets x (backbone + prompt logprobs), one request bucket (4) x (block and token-row writes + 12
     # sampler variants), and with the Pallas kernels the decode form of the one token bucket a decode batch lands in
     assert report["programs"] == 3 * 2 + 14 + runner.kernels.pallas and report["kv_cache_tokens"] == 512
-    assert report["compiled_while_sizing"] == 3 + 12 and report["compiled"] == report["programs"] - 15
-    assert {key[0] for key in sizing.programs.compile_seconds} == {"forward", "sample", "prompt_logprobs"}
     # the lowering's seconds split by program kind, tracing a part of them
     by_kind = report["lowering_seconds_by_kind"]
-    assert {"forward", "write_blocks"} <= by_kind.keys() and "sample" not in by_kind
+    assert {"forward", "sample", "write_blocks"} <= by_kind.keys()
     assert sum(by_kind.values()) == pytest.approx(report["lowering_seconds"], abs=0.01 * len(by_kind))
     assert 0 < report["tracing_seconds"] < report["lowering_seconds"]
     # each compile thread's seconds, by kind, and the longest compiles: every program compiled here is in them
@@ -245,6 +228,22 @@ def _runner_and_programs() -> tuple[Runner, list]:
     cfg, params = load_model(MODEL, "float32")
     runner = Runner(cfg, params, RunnerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48, block_size=8, num_blocks=16))
     return runner, runner.programs.warmup_programs()
+
+
+def test_a_samplers_program_is_the_same_whatever_the_kv_cache_size():
+    """The sampler takes the state's token rows, not its KV pages: its program-cache key does not
+    change with the cache's size (KV sizing's sampler is then the sized runner's, and another
+    gpu_memory_utilization finds every sampler cached), where a backbone's does."""
+    runner, _ = _runner_and_programs()
+    other = Runner(runner.model_config, runner.params, dataclasses.replace(runner.config, num_blocks=24))
+    cache = ProgramCache("unused")
+
+    def keys(r: Runner, kind: str) -> set[str]:
+        return {cache.key(p.kind.jitted, p.key, p.args, p.statics) for p in r.programs.warmup_programs()
+                if p.kind.name == kind}
+
+    assert keys(runner, "sample") == keys(other, "sample") and len(keys(runner, "sample")) == 12
+    assert keys(runner, "forward").isdisjoint(keys(other, "forward"))
 
 
 def test_the_weights_compile_into_the_persistent_cache(monkeypatch, tmp_path, fresh_jax_cache):

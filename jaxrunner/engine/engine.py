@@ -150,9 +150,9 @@ class LLMEngine:
         eos = tuple(dict.fromkeys((*tokenizer_eos, *model_config.eos_token_ids)))
         self.model_config = dataclasses.replace(model_config, eos_token_ids=eos)
         draft = load_draft_model(args, self.model_config, dtype)
-        self.config, sizing = runner_config(args, self.model_config, params, dtype, draft, WarmupProgress("KV sizing"))
+        self.config = runner_config(args, self.model_config, params, dtype, draft)
         sized = time.perf_counter()
-        self.runner = Runner(self.model_config, params, self.config, draft, sized_by=sizing)
+        self.runner = Runner(self.model_config, params, self.config, draft)
         with self._out_of_memory_named("making the KV cache"):
             self.state = self.runner.init_state()
         self.processor = Processor(self.tokenizer, self.runner.check_sampling_params, self.config.max_model_len,

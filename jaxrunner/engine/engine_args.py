@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,7 @@ from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.checkpoints.dummy import Params, dummy_config, random_params
 from jaxrunner.checkpoints.loader import Checkpoint, held_as, held_config, open_checkpoint
-from jaxrunner.runner import Programs, Runner, bytes_per_block, lora_bytes
+from jaxrunner.runner import Runner, bytes_per_block, lora_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -205,13 +204,8 @@ def compilation_cache_dir() -> str:
 
 
 def runner_config(
-    args: EngineArgs, model: ModelConfig, params: Params, dtype: str, draft: tuple[ModelConfig, Params] | None = None,
-    progress: Callable[[int, int], None] = lambda done, total: None,
-) -> tuple[RunnerConfig, Programs | None]:
-    """The runner's configuration, and the programs of the runner that sized its KV cache on a GPU
-    (None elsewhere or with `num_gpu_blocks_override`), for the runner to adopt (`Runner(sized_by=)`).
-    Only the programs: the sizing runner's weights (a copy, laid out for tensor parallelism) go.
-    `progress(done, total)` hears of each of sizing's programs ready."""
+    args: EngineArgs, model: ModelConfig, params: Params, dtype: str, draft: tuple[ModelConfig, Params] | None = None
+) -> RunnerConfig:
     gpu = platform.on_gpu()
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -235,9 +229,7 @@ def runner_config(
         dtype=dtype,
         compilation_cache_dir=compilation_cache_dir(),
     )
-    num_blocks, sizing = (args.num_gpu_blocks_override, None) if args.num_gpu_blocks_override else _num_blocks(
-        args, model, params, sizes, draft, progress)
-    cfg = dataclasses.replace(sizes, num_blocks=num_blocks)
+    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, params, sizes, draft))
     cfg = dataclasses.replace(cfg, num_host_blocks=_num_host_blocks(args, model, cfg, draft))
     if (cfg.num_blocks - null_blocks(model.group_windows)) < (need := request_blocks(model, cfg, max_model_len)):
         raise ValueError(
@@ -245,7 +237,7 @@ def runner_config(
             f"max_model_len={max_model_len} tokens ({need} blocks over the model's KV-cache groups); raise "
             "num_gpu_blocks_override / gpu_memory_utilization or lower max_model_len"
         )
-    return cfg, sizing
+    return cfg
 
 
 def _num_host_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig,
@@ -287,9 +279,8 @@ def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
 
 
 def _num_blocks(
-    args: EngineArgs, model: ModelConfig, params: Params, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None,
-    progress: Callable[[int, int], None],
-) -> tuple[int, Programs | None]:
+    args: EngineArgs, model: ModelConfig, params: Params, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None
+) -> int:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (measured from its compiled executables)
     are set aside. On CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but
@@ -299,10 +290,8 @@ def _num_blocks(
     per_block = bytes_per_block(model, cfg, draft[0] if draft else None)  # on each device
     if not stats:
         one = request_blocks(model, cfg, cfg.max_model_len)
-        return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block)), None
-    sizing = Runner(model, params, dataclasses.replace(cfg, num_blocks=1), draft)
-    # the warm-up's programs that hold no KV pages compile beside those measured: none without a warm-up
-    activations = sizing.peak_step_bytes(ahead=warm_up(args), progress=progress)
+        return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block))
+    activations = Runner(model, params, dataclasses.replace(cfg, num_blocks=1), draft).peak_step_bytes()
     copies = host_tier_bytes(args, cfg, per_block)
     in_use = stats["bytes_in_use"] + lora_bytes(model, cfg)  # the adapter slots come after sizing
     blocks = kv_blocks_that_fit(stats["bytes_limit"], in_use, activations + copies, args.gpu_memory_utilization,
@@ -310,7 +299,7 @@ def _num_blocks(
     logger.info("KV cache sizing: %.2f GiB device, %.2f GiB in use (weights), %.2f GiB for the largest step's "
                 "activations, %.2f GiB for the host tier's copies: %d blocks", stats["bytes_limit"] / 2**30,
                 stats["bytes_in_use"] / 2**30, activations / 2**30, copies / 2**30, blocks)
-    return blocks, sizing.programs
+    return blocks
 
 
 def host_tier_bytes(args: EngineArgs, cfg: RunnerConfig, per_block: int) -> int:

@@ -14,10 +14,9 @@ logger = logging.getLogger(__name__)
 
 
 class WarmupProgress:
-    """`Runner.warmup`'s `progress(done, total)`, or KV sizing's (`phase`)."""
+    """`Runner.warmup`'s `progress(done, total)`."""
 
-    def __init__(self, phase: str = "warm-up") -> None:
-        self.phase = phase
+    def __init__(self) -> None:
         self._bar: tqdm | None = None
         self._start = time.perf_counter()
         self._logged = 0  # tenths logged
@@ -25,7 +24,7 @@ class WarmupProgress:
     def __call__(self, done: int, total: int) -> None:
         if sys.stderr.isatty():
             if self._bar is None:
-                self._bar = tqdm(total=total, desc=f"{self.phase}: compiling programs", unit="program", dynamic_ncols=True)
+                self._bar = tqdm(total=total, desc="warm-up: compiling programs", unit="program", dynamic_ncols=True)
             self._bar.update(done - self._bar.n)
             if done == total:
                 self._bar.close()
@@ -35,5 +34,4 @@ class WarmupProgress:
             self._logged = tenth
             elapsed = time.perf_counter() - self._start
             left = elapsed * (total - done) / done if done else 0.0
-            logger.info("%s: %d of %d programs ready, %.0f s so far, about %.0f s left", self.phase, done, total, elapsed,
-                        left)
+            logger.info("warm-up: %d of %d programs ready, %.0f s so far, about %.0f s left", done, total, elapsed, left)

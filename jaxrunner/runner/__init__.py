@@ -3,7 +3,6 @@
 (`memory.py`), for the engine to size the KV cache before the runner exists."""
 
 from jaxrunner.runner.memory import bytes_per_block, kv_cache_bytes, lora_bytes
-from jaxrunner.runner.programs import Programs
 from jaxrunner.runner.runner import Runner
 
-__all__ = ["Programs", "Runner", "bytes_per_block", "kv_cache_bytes", "lora_bytes"]
+__all__ = ["Runner", "bytes_per_block", "kv_cache_bytes", "lora_bytes"]

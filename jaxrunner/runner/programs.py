@@ -19,7 +19,6 @@ looks for the executable on disk, which needs no lowering.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import logging
@@ -211,9 +210,6 @@ SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
 KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, WRITE_TOKENS, PROMPT_LOGPROBS, WRITE_LORA,
          GATHER_BLOCKS, STACK_PIECES, SCATTER_BLOCKS)
-# The kinds whose arguments hold no KV pages: their programs are the same whatever the cache's size,
-# so those compiled while the cache is sized serve the runner it is sized for (`Programs.adopt`).
-KV_FREE = (SAMPLE, PROMPT_LOGPROBS)
 
 
 @dataclass(frozen=True)
@@ -238,7 +234,6 @@ class Programs:
         self.warm: set[Hashable] = set()  # the keys of `warmup_programs`, once `warm_up` compiled them
         self.compiled_on_use = 0
         self.loaded = 0  # by compile_all from the program cache
-        self.adopted = 0  # from KV sizing's runner (`adopt`)
         # spent lowering by program kind (under the GIL: what no compile thread overlaps); of it, tracing
         # the Python into a jaxpr (the rest lowers the jaxpr, its kernels included)
         self.lowering_by_kind: Counter[str] = Counter()
@@ -288,20 +283,6 @@ class Programs:
         compiled = self.compile_all(programs, progress=report, stop=stop)
         self.warm.update(p.key for p in programs if p.key in self._compiled)
         return len(programs), compiled
-
-    def adopt(self, other: Programs) -> None:
-        """Take `other`'s executables of the kinds that hold no KV pages (`KV_FREE`): `other` is KV
-        sizing's, whose context differs from this one in the cache's size alone, and compiled them
-        beside the programs it measured, so warm-up has fewer left."""
-        config = dataclasses.replace(other.ctx.config, num_blocks=self.ctx.config.num_blocks,
-                                     num_host_blocks=self.ctx.config.num_host_blocks)
-        if dataclasses.replace(other.ctx, config=config) != self.ctx:
-            raise ValueError("adopt takes the programs of a context that differs from this one in the KV cache's size alone")
-        kinds = {kind.name for kind in KV_FREE}
-        for key, exe in other._compiled.items():
-            if key[0] in kinds and key not in self._compiled:
-                self._compiled[key] = exe
-                self.adopted += 1
 
     def run(self, kind: Kind, **named):
         program = self.program(kind, **named)

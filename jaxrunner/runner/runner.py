@@ -50,7 +50,6 @@ from jaxrunner.runner.plan import StepPlan, bucket_tiers, prepare, warmup_schedu
 from jaxrunner.runner.programs import (
     DECODE_LOOP,
     FORWARD,
-    KV_FREE,
     PROMPT_LOGPROBS,
     SAMPLE,
     SPEC_SAMPLE,
@@ -58,7 +57,6 @@ from jaxrunner.runner.programs import (
     WRITE_LORA,
     WRITE_TOKENS,
     Program,
-    Programs,
     Progress,
     compile_report,
     shared_programs,
@@ -88,10 +86,8 @@ class Runner:
 
     def __init__(
         self, model_config: ModelConfig, params: Params, config: RunnerConfig = RunnerConfig(),
-        draft: tuple[ModelConfig, Params] | None = None, sized_by: Programs | None = None,
+        draft: tuple[ModelConfig, Params] | None = None,
     ) -> None:
-        """`sized_by`: the programs of the runner whose `peak_step_bytes(ahead=True)` sized this one's
-        KV cache; those that hold no KV pages are this one's (`Programs.adopt`)."""
         tp, replica = config.tensor_parallel_size, config.data_parallel_rank
         self.mesh = make_mesh(tp, replica) if tp > 1 or replica > 0 else None
         config.check_model(model_config, None if draft is None else draft[0])
@@ -107,8 +103,6 @@ class Runner:
         self.kernels = Kernels.choose(config.kernels, config.batch_invariant)
         self.ctx = Context(model_config, config, self.kernels, str(params["embed"].dtype), self.draft_model, self.mesh)
         self.programs = shared_programs(self.ctx)
-        if sized_by is not None:
-            self.programs.adopt(sized_by)
         self._serving = self.ctx  # what steps are planned with: a background warm-up's tier meanwhile (`warmup`)
         self._warming: threading.Thread | None = None
         self._stop_warming = threading.Event()
@@ -315,7 +309,6 @@ class Runner:
             **compile_report({p.key: programs.compile_seconds[p.key] for p in first if p.key in programs.compile_seconds
                               and p.key not in compiled_before}),
             "loaded_from_cache": programs.loaded - loaded,  # of `compiled`: read from the program cache
-            "compiled_while_sizing": programs.adopted,  # of `programs`, by KV sizing's runner: not in `compiled`
             "kv_cache_blocks": cfg.num_blocks,
             "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
             "kv_cache_gib": round(kv_cache_bytes(self.model_config, cfg) / 2**30, 3),
@@ -370,17 +363,12 @@ class Runner:
         self._stop_warming.set()
         self.join_warmup()
 
-    def peak_step_bytes(self, ahead: bool = False, progress: Progress = lambda done, total: None) -> int:
+    def peak_step_bytes(self) -> int:
         """Temporary device memory of the largest step, from the compiled executables of the largest
         token bucket's backbone, the fullest sampler at the largest request bucket and, where steps
         run several at a time, the largest decode loop (it holds a backbone's and a sampler's
         temporaries at once): a profiling compile that needs no cache allocated (the cache is
-        aliased, so its size changes nothing), the programs compiled side by side.
-
-        `ahead`: compile beside them every warm-up program that holds no KV pages (`KV_FREE`), for
-        the runner of the cache's final size to adopt (`sized_by`): the compile threads are mostly
-        idle while the few measured programs compile, and warm-up cannot begin before they end.
-        `progress(done, total)` hears of each program ready."""
+        aliased, so its size changes nothing), the programs compiled side by side."""
         ctx = self.ctx
         flags, b = ctx.sampler_variants[-1], self.config.request_buckets[-1]
         named = dict(params=ctx.params, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags), flags=flags)
@@ -389,10 +377,8 @@ class Runner:
         else:
             sampler = self.programs.program(SAMPLE, token_ids=ctx.state.token_ids, **named)
         loops = self.programs.examples(DECODE_LOOP)[:1]  # the largest first
-        programs = [self._forward_program(self.config.max_num_batched_tokens), *loops, sampler]
-        measured = {p.key for p in programs}
-        kv_free = [p for p in self.programs.warmup_programs() if p.kind in KV_FREE and p.key not in measured] if ahead else []
-        self.programs.compile_all(programs + kv_free, progress=progress)  # the slowest first
+        programs = [self._forward_program(self.config.max_num_batched_tokens), sampler, *loops]
+        self.programs.compile_all(programs)
         return max(self.programs.executable(p).memory_analysis().temp_size_in_bytes for p in programs)
 
     def compile_forward(self, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
