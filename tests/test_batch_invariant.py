@@ -383,8 +383,8 @@ def test_the_mode_tiles_the_rows(alone):
     ctx = runner.ctx
 
     def sampler_text(flags) -> str:
-        sampler = runner.programs.program(SAMPLE, params=ctx.params, token_ids=ctx.state.token_ids, last_hidden=ctx.last_hidden(),
-                                          samples=ctx.samples(4, flags), flags=flags)
+        sampler = runner.programs.program(SAMPLE, params=ctx.params, token_ids=ctx.state.token_ids,
+                                          last_hidden=ctx.last_hidden(), samples=ctx.samples(4, flags), flags=flags)
         return runner.programs.executable(sampler).as_text()
 
     plain, with_logprobs = ctx.sampler_variants[:2]

@@ -154,8 +154,8 @@ def test_the_step_all_reduces_twice_a_layer_and_never_gathers_weights():
                        "collective-permute": 0, "reduce-scatter": 0}
     # the sampler: each device's slice of the logits, gathered ([B, V]: not the LM head's weight)
     ctx, flags = runner.ctx, runner.ctx.sampler_variants[0]
-    sample = runner.programs.program(SAMPLE, params=ctx.params, token_ids=ctx.state.token_ids, last_hidden=ctx.last_hidden(),
-                                     samples=ctx.samples(4, flags), flags=flags)
+    sample = runner.programs.program(SAMPLE, params=ctx.params, token_ids=ctx.state.token_ids,
+                                     last_hidden=ctx.last_hidden(), samples=ctx.samples(4, flags), flags=flags)
     text = runner.programs.executable(sample).as_text()
     assert collectives(text) == {"all-reduce": 0, "all-gather": 1, "all-to-all": 0, "collective-permute": 0,
                                  "reduce-scatter": 0}

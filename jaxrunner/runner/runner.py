@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrunner.checkpoints.loader import load_model
 from jaxrunner import platform
+from jaxrunner.checkpoints.loader import load_model
 from jaxrunner.config import Kernels, ModelConfig, RunnerConfig
 from jaxrunner.lora.adapters import Adapters
 from jaxrunner.lora.slots import init_lora

@@ -9,8 +9,8 @@
   sequence's last 1 + k tokens ([S, 1 + k] rows, S = max_num_seqs; k drafts, 0 without
   speculative decoding).
 - `sample_step` (one graph per request bucket and sampler variant): logits for the batch's rows,
-  sample, append the tokens that complete a request's known tokens to its row of `token_ids`. With speculative
-  decoding `spec_decode.sample.spec_sample_step` runs in its place.
+  sample, append the tokens that complete a request's known tokens to its row of `token_ids`.
+  With speculative decoding `spec_decode.sample.spec_sample_step` runs in its place.
 - `decode_loop` (multi-step decode, one graph per request bucket, sampler variant and step count):
   `num_steps` rounds of forward + sample in one device call, each feeding its tokens to the next.
 - `prompt_logprobs_step` (one graph, fixed chunk): logprobs of prompt tokens from the backbone's
