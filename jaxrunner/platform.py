@@ -28,6 +28,22 @@ def claim_gpu_memory() -> None:
         os.environ[POOL_VARIABLES[0]] = str(GPU_POOL_FRACTION)
 
 
+# XLA autotunes each Triton matmul fusion over every tiling of its candidate list, compiling and timing
+# each: most of a cold start's compile work. Its cost model can rank the tilings first, so that only
+# the best few are compiled and timed; 8 kept W1 and W2 where 4 slowed W1 (docs/benchmarks.md).
+GEMM_TILINGS_FLAG = "--xla_gpu_experimental_cost_model_gemm_tiling_options"
+GEMM_TILINGS_TIMED = 8
+
+
+def limit_gemm_autotuning() -> None:
+    """Before JAX starts its backends, have XLA time only the cost model's best GEMM_TILINGS_TIMED
+    tilings of a matmul. A setting of the flag in XLA_FLAGS stands, and so does a started backend's
+    (XLA reads the variable once)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not xla_bridge.backends_are_initialized() and GEMM_TILINGS_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {GEMM_TILINGS_FLAG}=top={GEMM_TILINGS_TIMED}".strip()
+
+
 def use_compilation_cache(path: str) -> None:
     """JAX's persistent compilation cache in `path`, every program kept however fast it compiled."""
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))

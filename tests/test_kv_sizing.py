@@ -63,14 +63,25 @@ def test_a_host_tier_sets_aside_device_memory_for_its_copies():
 def test_the_engine_gives_jaxs_gpu_pool_most_of_the_device_unless_told(monkeypatch):
     """JAX's allocator takes 75% of a GPU by default: the engine asks for GPU_POOL_FRACTION before it
     starts JAX's backend (checked in a fresh process: the suite's backend is long started), and
-    leaves a fraction the user set, or a started backend's, as it is."""
+    leaves a fraction the user set, or a started backend's, as it is. The same process shows XLA
+    taking the engine's GEMM autotuning flag (an unknown one would abort it), and one the user set
+    in XLA_FLAGS stands."""
     script = ("import os; from jaxrunner.engine.engine import LLMEngine; from jaxrunner.engine.engine_args import EngineArgs; "
               "LLMEngine(EngineArgs(model='jaxrunner-tiny-random', enforce_eager=True)); "
-              "print(os.environ['XLA_CLIENT_MEM_FRACTION'])")
-    env = {k: v for k, v in os.environ.items() if k not in platform.POOL_VARIABLES}
+              "print(os.environ['XLA_FLAGS']); print(os.environ['XLA_CLIENT_MEM_FRACTION'])")
+    env = {k: v for k, v in os.environ.items() if k not in (*platform.POOL_VARIABLES, "XLA_FLAGS")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.split()[-1]) == platform.GPU_POOL_FRACTION == 0.95
+    *_, flags, fraction = done.stdout.splitlines()
+    assert float(fraction) == platform.GPU_POOL_FRACTION == 0.95
+    assert flags == f"{platform.GEMM_TILINGS_FLAG}=top={platform.GEMM_TILINGS_TIMED}"
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x {platform.GEMM_TILINGS_FLAG}=top=2")
+    platform.limit_gemm_autotuning()
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {platform.GEMM_TILINGS_FLAG}=top=2"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    platform.limit_gemm_autotuning()
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {platform.GEMM_TILINGS_FLAG}=top=8"
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)

@@ -339,3 +339,32 @@ def test_a_cached_program_that_does_not_load_is_compiled_again_and_rewritten(tmp
     for programs in runs:
         programs.compile_all([program])
     assert [p.loaded for p in runs] == [0, 1] and "cannot load the cached program" in caplog.text
+
+
+def test_a_program_whose_matmuls_another_tunes_compiles_after_it(monkeypatch):
+    """XLA autotunes a matmul once per process: a program whose every matmul (`Kind.gemms`) an
+    earlier-listed program makes is compiled after that program's compile ends, while programs with
+    a matmul of their own start at once. Compiles are stand-ins that take a while and note when."""
+    runner, programs = _runner_and_programs()
+    spans: dict = {}
+
+    def timed(self, key, lowered, cache_key):
+        start = time.perf_counter()
+        time.sleep(0.05)
+        spans[key] = (start, time.perf_counter())
+        return object()
+
+    monkeypatch.setattr(Programs, "_lower", lambda self, program: None)
+    monkeypatch.setattr(Programs, "_compile", timed)
+    assert Programs(runner.ctx).compile_all(programs, workers=4) == len(programs) == len(spans)
+    tuner, waited = {}, 0
+    for p in programs:
+        gemms = p.kind.gemms(p.key[1:])
+        if gemms and all(g in tuner for g in gemms):
+            assert all(spans[p.key][0] >= spans[tuner[g]][1] for g in gemms), p.key
+            waited += 1
+        for g in gemms:
+            tuner.setdefault(g, p.key)
+    samplers = [p for p in programs if p.kind.name == "sample"]
+    assert waited >= len(samplers) - 1 > 0  # every sampler variant after the first of its rows
+    assert {g for p in programs for g in p.kind.gemms(p.key[1:])} >= {("layers", 16), ("lm_head", 2)}

@@ -127,6 +127,7 @@ class LLMEngine:
         """`defer_warm_up`: leave the programs' compilation to an explicit `warm_up()` (a server
         opens its port first and answers /health "starting" meanwhile)."""
         platform.claim_gpu_memory()  # before anything starts JAX's backend
+        platform.limit_gemm_autotuning()
         # before the weights load: random weights' draws and quantizing compile programs too
         platform.use_compilation_cache(compilation_cache_dir())
         built_in = False

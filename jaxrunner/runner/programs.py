@@ -28,7 +28,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import jax
@@ -65,7 +65,9 @@ class Kind:
     runner's calls share; a call names the other arguments, and `key` of them tells its executables
     apart. `examples(ctx, plans)` yields the calls the plans of warm-up's synthetic schedules make
     (those of every variant a runner can ask for); `donate` names the arguments whose buffers the
-    program takes over."""
+    program takes over. `gemms(key)` names the model's matmuls a program of that key makes, by their
+    weights and rows: XLA autotunes each distinct matmul once per process, so warm-up compiles a
+    program whose matmuls another one tunes after that one (`Programs.compile_all`)."""
 
     name: str
     fn: Callable
@@ -73,6 +75,7 @@ class Kind:
     examples: Callable[[Context, Plans], Iterator[Example]]
     fixed: Callable[[Context], dict] = lambda ctx: {}
     donate: tuple[str, ...] = ()
+    gemms: Callable[[tuple], tuple[tuple[str, int], ...]] = lambda key: ()
     jitted: Callable = field(init=False)
     arguments: tuple[str, ...] = field(init=False)  # the traced ones, in the function's order
 
@@ -185,18 +188,23 @@ def _rows(a: dict) -> tuple:
 WRITE_BLOCKS = Kind("write_blocks", write_block_rows, key=_rows, examples=_write_blocks_examples, donate=("state",))
 WRITE_TOKENS = Kind("write_tokens", write_token_rows, key=_rows, examples=_write_tokens_examples, donate=("state",))
 FORWARD = Kind("forward", forward_step, key=lambda a: (a["tokens"].token_ids.shape[0], a["uniform_decode"]),
-               examples=_forward_examples, fixed=_forward_options, donate=("state",))
+               examples=_forward_examples, fixed=_forward_options, donate=("state",),
+               gemms=lambda key: (("layers", key[0]),))
 SAMPLE = Kind("sample", sample_step, key=lambda a: (a["samples"].commit_rows.shape[0], a["flags"]),
-              examples=_sample_examples, fixed=_model_and_kernels, donate=("token_ids",))
+              examples=_sample_examples, fixed=_model_and_kernels, donate=("token_ids",),
+              gemms=lambda key: (("lm_head", key[0]),))
 SPEC_SAMPLE = Kind("spec_sample", spec_sample_step, key=lambda a: (a["samples"].commit_rows.shape[0], a["flags"]),
-                   examples=_spec_sample_examples, fixed=_spec_options, donate=("state",))
+                   examples=_spec_sample_examples, fixed=_spec_options, donate=("state",),
+                   gemms=lambda key: (("lm_head", key[0]),))
 DECODE_LOOP = Kind(
     "decode_loop", decode_loop,
     key=lambda a: (a["tokens"].token_ids.shape[0], a["samples"].commit_rows.shape[0], a["flags"], a["num_steps"],
                    a["uniform_decode"]),
-    examples=_decode_loop_examples, fixed=_decode_loop_options, donate=("state",))
+    examples=_decode_loop_examples, fixed=_decode_loop_options, donate=("state",),
+    gemms=lambda key: (("layers", key[0]), ("lm_head", key[1])))
 PROMPT_LOGPROBS = Kind(
     "prompt_logprobs", prompt_logprobs_step, key=lambda a: (a["hidden"].shape[0],), examples=_prompt_logprobs_examples,
+    gemms=lambda key: (("lm_head", key[0]),),
     fixed=lambda ctx: dict(model=ctx.model, kernels=ctx.kernels,
                            num_top=ctx.config.sampler.logprobs_width(ctx.model.vocab_size),
                            as_logits=ctx.config.sampler.logprobs_mode.endswith("logits")))
@@ -304,10 +312,13 @@ class Programs:
     def compile_all(self, programs: Sequence[Program], workers: int | None = None,
                     progress: Progress = lambda done, total: None, stop: threading.Event | None = None) -> int:
         """Make the programs not compiled yet ready, in parallel; how many that was. Those in the
-        program cache are loaded; each other is lowered and handed to the pool at once, so lowering
-        the next (Python, under the GIL) overlaps compiling the previous ones: list the slowest
-        compiles first. `progress(done, total)` is called as programs become ready. Once `stop`
-        is set no further program is lowered; those handed to the pool finish."""
+        program cache are loaded; each other is lowered and handed to the pool, so lowering the
+        next (Python, under the GIL) overlaps compiling the previous ones: list the slowest compiles
+        first. A program goes to the pool at once unless every matmul it makes (`Kind.gemms`) is
+        one an earlier program makes: it then waits for those programs' compiles, whose autotuning
+        XLA keeps for it, where compiling beside them would tune the same matmuls again.
+        `progress(done, total)` is called as programs become ready. Once `stop` is set no further
+        program is lowered; those lowered finish."""
         todo = {p.key: p for p in programs if p.key not in self._compiled}
         total = len(programs)
         devices = tuple(d.id for d in self.ctx.mesh.devices.flat) if self.ctx.mesh is not None else ()  # a replica's own
@@ -322,17 +333,39 @@ class Programs:
                         self.loaded += 1
             ready = total - len(todo) + sum(key in self._compiled for key in todo)
             progress(ready, total)
-            futures = {}
+            compiling: dict[Future, Hashable] = {}
+            tuner: dict[tuple[str, int], Future] = {}  # a matmul's first program's compile
+            waiting: list[tuple[set[Future], Hashable, jax.stages.Lowered]] = []
+
+            def submit(key: Hashable, lowered: jax.stages.Lowered) -> Future:
+                future = pool.submit(self._compile, key, lowered, cache_keys.get(key))
+                compiling[future] = key
+                return future
+
+            def submit_released() -> None:
+                for entry in [entry for entry in waiting if all(f.done() for f in entry[0])]:
+                    waiting.remove(entry)
+                    submit(*entry[1:])
+
             for key, p in todo.items():
                 if stop is not None and stop.is_set():
                     break
                 if key not in self._compiled:
                     lowered = self._lower(p)
-                    futures[pool.submit(self._compile, key, lowered, cache_keys.get(key))] = key
-            for future in as_completed(futures):
-                self._compiled[futures[future]] = future.result()
-                ready += 1
-                progress(ready, total)
+                    gemms = p.kind.gemms(key[1:])
+                    if gemms and all(g in tuner for g in gemms):
+                        waiting.append(({tuner[g] for g in gemms}, key, lowered))
+                    else:
+                        future = submit(key, lowered)
+                        tuner.update({g: future for g in gemms if g not in tuner})
+                    submit_released()
+            while compiling:
+                done, _ = wait(compiling, return_when=FIRST_COMPLETED)
+                for future in done:
+                    self._compiled[compiling.pop(future)] = future.result()
+                    ready += 1
+                    progress(ready, total)
+                submit_released()
         return sum(key in self._compiled for key in todo)
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
