@@ -105,6 +105,10 @@ def test_a_runner_driven_directly_after_warmup_compiles_nothing():
     longest = [seconds for _, seconds in report["slowest_compiles"]]
     assert len(longest) == 3 and longest == sorted(longest, reverse=True)
     assert sum(report["compile_thread_seconds_by_kind"].values()) >= longest[0]
+    # when each kind's last compile ended: within the warm-up, the last of them near its end
+    done = report["compiles_done_by_kind"]
+    assert done.keys() == by_kind.keys() and 0 < min(done.values())
+    assert max(done.values()) <= report["compile_seconds"] + 0.01
     assert len(runner.programs.compile_seconds) == report["compiled"] - report["loaded_from_cache"]
     assert min(runner.programs.compile_seconds.values()) > 0  # unrounded: a fast machine rounds a compile to 0.00
     # once before compiling (what was ready already), then once per program compiled, up to all of them

@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -249,6 +249,7 @@ class Programs:
         # a compile thread's seconds per program compiled here (XLA, and storing it in the program cache):
         # whether the compiles' sum or one long compile bounds the warm-up
         self.compile_seconds: dict[Hashable, float] = {}
+        self.compile_ended: dict[Hashable, float] = {}  # and when it ended (`time.perf_counter`)
 
     @property
     def lowering_seconds(self) -> float:
@@ -384,19 +385,26 @@ class Programs:
         exe, fresh = compile_noting_cache_hits(lowered)
         if cache_key and fresh:
             self._cache.store(cache_key, exe)
-        self.compile_seconds[key] = time.perf_counter() - start
+        self.compile_ended[key] = time.perf_counter()
+        self.compile_seconds[key] = self.compile_ended[key] - start
         return exe
 
 
-def compile_report(seconds: dict[Hashable, float]) -> dict:
-    """A warm-up's compile threads' seconds by program kind, and its three longest compiles (kind and
-    first key, the bucket): their sum over the pool's threads against the longest says whether more
-    threads or a shorter program would shorten the warm-up."""
+def compile_report(programs: Programs, keys: Iterable[Hashable], start: float) -> dict:
+    """The compiles of `keys` in a warm-up that began at `start`: the compile threads' seconds by
+    program kind, and its three longest compiles (kind and first key, the bucket): their sum over
+    the pool's threads against the longest says whether more threads or a shorter program would
+    shorten the warm-up. And when each kind's last compile ended, in seconds from `start`: which
+    kind's compiles end the warm-up, and how long the ones `compile_all` holds back wait."""
+    seconds = {key: programs.compile_seconds[key] for key in keys}
     by_kind: Counter[str] = Counter()
+    done: dict[str, float] = {}
     for key, spent in seconds.items():
         by_kind[key[0]] += spent
+        done[key[0]] = max(done.get(key[0], 0.0), programs.compile_ended[key] - start)
     slowest = sorted(seconds.items(), key=lambda item: item[1], reverse=True)[:3]
     return {"compile_thread_seconds_by_kind": {kind: round(spent, 2) for kind, spent in by_kind.items()},
+            "compiles_done_by_kind": {kind: round(at, 2) for kind, at in done.items()},
             "slowest_compiles": [[" ".join(map(str, key[:2])), round(spent, 2)] for key, spent in slowest]}
 
 

@@ -306,8 +306,8 @@ class Runner:
             "lowering_seconds": round(programs.lowering_seconds - lowering, 2),
             "tracing_seconds": round(programs.tracing_seconds - tracing, 2),  # of lowering_seconds
             "lowering_seconds_by_kind": {kind: round(seconds, 2) for kind, seconds in (programs.lowering_by_kind - by_kind).items()},
-            **compile_report({p.key: programs.compile_seconds[p.key] for p in first if p.key in programs.compile_seconds
-                              and p.key not in compiled_before}),
+            **compile_report(programs, [p.key for p in first if p.key in programs.compile_seconds
+                                        and p.key not in compiled_before], start),
             "loaded_from_cache": programs.loaded - loaded,  # of `compiled`: read from the program cache
             "kv_cache_blocks": cfg.num_blocks,
             "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
