@@ -30,7 +30,8 @@ def claim_gpu_memory() -> None:
 
 # XLA autotunes each Triton matmul fusion over every tiling of its candidate list, compiling and timing
 # each: most of a cold start's compile work. Its cost model can rank the tilings first, so that only
-# the best few are compiled and timed; 8 kept W1 and W2 where 4 slowed W1 (docs/benchmarks.md).
+# the best few are compiled and timed; how few keeps W1 and W2 is measured in docs/benchmarks.md.
+# The flag is experimental: a jaxlib without it aborts at start-up (the pin on jax holds it).
 GEMM_TILINGS_FLAG = "--xla_gpu_experimental_cost_model_gemm_tiling_options"
 GEMM_TILINGS_TIMED = 8
 

@@ -345,30 +345,56 @@ def test_a_cached_program_that_does_not_load_is_compiled_again_and_rewritten(tmp
     assert [p.loaded for p in runs] == [0, 1] and "cannot load the cached program" in caplog.text
 
 
-def test_a_program_whose_matmuls_another_tunes_compiles_after_it(monkeypatch):
-    """XLA autotunes a matmul once per process: a program whose every matmul (`Kind.gemms`) an
-    earlier-listed program makes is compiled after that program's compile ends, while programs with
-    a matmul of their own start at once. Compiles are stand-ins that take a while and note when."""
+def test_a_program_whose_matmuls_another_makes_is_compiled_after_it():
+    """XLA autotunes a fusion once per process: `tuning_order` puts a program all of whose matmuls
+    (`Kind.gemms`) an earlier one makes behind the first program making each, at the engine's GPU
+    sizes: a forward's decode form behind its general form, a row bucket's later samplers behind the
+    first program with that LM head, the prompt-logprobs programs (chunks of 256 rows each) behind
+    the first with a 256-row head; and nothing with a matmul of its own waits."""
+    model, params = load_model(MODEL)
+    config = RunnerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=1024, num_blocks=64,
+                          kernels="pallas", num_scheduler_steps=8)
+    programs = Runner(model, params, config).programs.warmup_programs()
+    behind = programs_table.tuning_order(programs)
+    order = {p.key: i for i, p in enumerate(programs)}
+    gemms_of = {p.key: set(p.kind.gemms(p.key[1:])) for p in programs}
+    made_before: set = set()
+    for p in programs:
+        gemms = gemms_of[p.key]
+        if p.key in behind:
+            assert all(order[k] < order[p.key] for k in behind[p.key])
+            assert gemms <= set().union(*(gemms_of[k] for k in behind[p.key]))
+        else:
+            assert not gemms or not gemms <= made_before, p.key
+        made_before |= gemms
+    for t in (16, 64, 256):
+        assert behind[("forward", t, True)] == {("forward", t, False)}
+    samplers = [p.key for p in programs if p.kind.name == "sample" and p.key[1] == 16]
+    assert len(samplers) == 12 and all(behind[k] == behind[samplers[1]] for k in samplers[1:])
+    logprobs = [p.key for p in programs if p.kind.name == "prompt_logprobs"]
+    assert len(logprobs) == 10 and all(behind[k] == behind[logprobs[0]] for k in logprobs)
+    assert not any(p.kind.name in ("write_blocks", "write_tokens", "spec_sample") for p in programs if p.key in behind)
+
+
+def test_compile_all_holds_a_program_until_those_it_is_behind_are_compiled(monkeypatch):
+    """With stand-in compiles: the programs `tuning_order` holds start once those they wait for have
+    ended, and all the others start at once (they meet at a barrier, which a one-by-one pool breaks)."""
     runner, programs = _runner_and_programs()
+    behind = programs_table.tuning_order(programs)
+    assert behind  # the later sampler variants wait for the first
+    free = threading.Barrier(len(programs) - len(behind), timeout=30)
     spans: dict = {}
 
-    def timed(self, key, lowered, cache_key):
+    def stand_in(self, key, lowered, cache_key):
         start = time.perf_counter()
+        if key not in behind:
+            free.wait()
         time.sleep(0.05)
         spans[key] = (start, time.perf_counter())
         return object()
 
     monkeypatch.setattr(Programs, "_lower", lambda self, program: None)
-    monkeypatch.setattr(Programs, "_compile", timed)
-    assert Programs(runner.ctx).compile_all(programs, workers=4) == len(programs) == len(spans)
-    tuner, waited = {}, 0
-    for p in programs:
-        gemms = p.kind.gemms(p.key[1:])
-        if gemms and all(g in tuner for g in gemms):
-            assert all(spans[p.key][0] >= spans[tuner[g]][1] for g in gemms), p.key
-            waited += 1
-        for g in gemms:
-            tuner.setdefault(g, p.key)
-    samplers = [p for p in programs if p.kind.name == "sample"]
-    assert waited >= len(samplers) - 1 > 0  # every sampler variant after the first of its rows
-    assert {g for p in programs for g in p.kind.gemms(p.key[1:])} >= {("layers", 16), ("lm_head", 2)}
+    monkeypatch.setattr(Programs, "_compile", stand_in)
+    assert Programs(runner.ctx).compile_all(programs, workers=len(programs)) == len(programs) == len(spans)
+    for key, waits_for in behind.items():
+        assert all(spans[key][0] >= spans[k][1] for k in waits_for), key

@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -57,6 +57,7 @@ Progress = Callable[[int, int], None]  # (programs ready, programs in all), as w
 
 Example = dict  # a call's named arguments, its static options among them
 Plans = list[StepPlan]  # the plans of warm-up's synthetic schedules (`plan.warmup_plans`)
+Gemm = tuple[str, int]  # a model matmul by its weights and rows (`Kind.gemms`)
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,8 +67,10 @@ class Kind:
     apart. `examples(ctx, plans)` yields the calls the plans of warm-up's synthetic schedules make
     (those of every variant a runner can ask for); `donate` names the arguments whose buffers the
     program takes over. `gemms(key)` names the model's matmuls a program of that key makes, by their
-    weights and rows: XLA autotunes each distinct matmul once per process, so warm-up compiles a
-    program whose matmuls another one tunes after that one (`Programs.compile_all`)."""
+    weights and rows, where other programs may make the same fusions: XLA autotunes each distinct
+    fusion once per process, so warm-up compiles a program whose matmuls another one tunes after
+    that one (`tuning_order`). The names are a guess at shared fusions (XLA keys a tuning by the
+    fusion's text, consumers included); a wrong one only delays a compile."""
 
     name: str
     fn: Callable
@@ -75,7 +78,7 @@ class Kind:
     examples: Callable[[Context, Plans], Iterator[Example]]
     fixed: Callable[[Context], dict] = lambda ctx: {}
     donate: tuple[str, ...] = ()
-    gemms: Callable[[tuple], tuple[tuple[str, int], ...]] = lambda key: ()
+    gemms: Callable[[tuple], tuple[Gemm, ...]] = lambda key: ()
     jitted: Callable = field(init=False)
     arguments: tuple[str, ...] = field(init=False)  # the traced ones, in the function's order
 
@@ -194,8 +197,7 @@ SAMPLE = Kind("sample", sample_step, key=lambda a: (a["samples"].commit_rows.sha
               examples=_sample_examples, fixed=_model_and_kernels, donate=("token_ids",),
               gemms=lambda key: (("lm_head", key[0]),))
 SPEC_SAMPLE = Kind("spec_sample", spec_sample_step, key=lambda a: (a["samples"].commit_rows.shape[0], a["flags"]),
-                   examples=_spec_sample_examples, fixed=_spec_options, donate=("state",),
-                   gemms=lambda key: (("lm_head", key[0]),))
+                   examples=_spec_sample_examples, fixed=_spec_options, donate=("state",))
 DECODE_LOOP = Kind(
     "decode_loop", decode_loop,
     key=lambda a: (a["tokens"].token_ids.shape[0], a["samples"].commit_rows.shape[0], a["flags"], a["num_steps"],
@@ -204,7 +206,7 @@ DECODE_LOOP = Kind(
     gemms=lambda key: (("layers", key[0]), ("lm_head", key[1])))
 PROMPT_LOGPROBS = Kind(
     "prompt_logprobs", prompt_logprobs_step, key=lambda a: (a["hidden"].shape[0],), examples=_prompt_logprobs_examples,
-    gemms=lambda key: (("lm_head", key[0]),),
+    gemms=lambda key: (("lm_head", PROMPT_LOGPROBS_CHUNK),),
     fixed=lambda ctx: dict(model=ctx.model, kernels=ctx.kernels,
                            num_top=ctx.config.sampler.logprobs_width(ctx.model.vocab_size),
                            as_logits=ctx.config.sampler.logprobs_mode.endswith("logits")))
@@ -218,6 +220,21 @@ SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
 KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, WRITE_TOKENS, PROMPT_LOGPROBS, WRITE_LORA,
          GATHER_BLOCKS, STACK_PIECES, SCATTER_BLOCKS)
+
+
+def tuning_order(programs: Sequence[Program]) -> dict[Hashable, set[Hashable]]:
+    """The programs to compile after others, each with those others: a program all of whose matmuls
+    (`Kind.gemms`) an earlier-listed program makes waits for the first program making each of them.
+    One with a matmul of its own, or none named, waits for nothing (it is not in the result)."""
+    first: dict[Gemm, Hashable] = {}
+    behind: dict[Hashable, set[Hashable]] = {}
+    for program in programs:
+        gemms = program.kind.gemms(program.key[1:])
+        if gemms and all(g in first for g in gemms):
+            behind[program.key] = {first[g] for g in gemms}
+        for g in gemms:
+            first.setdefault(g, program.key)
+    return behind
 
 
 @dataclass(frozen=True)
@@ -315,11 +332,10 @@ class Programs:
         """Make the programs not compiled yet ready, in parallel; how many that was. Those in the
         program cache are loaded; each other is lowered and handed to the pool, so lowering the
         next (Python, under the GIL) overlaps compiling the previous ones: list the slowest compiles
-        first. A program goes to the pool at once unless every matmul it makes (`Kind.gemms`) is
-        one an earlier program makes: it then waits for those programs' compiles, whose autotuning
-        XLA keeps for it, where compiling beside them would tune the same matmuls again.
-        `progress(done, total)` is called as programs become ready. Once `stop` is set no further
-        program is lowered; those lowered finish."""
+        first. A program goes to the pool at once unless `tuning_order` puts it behind others: it
+        then waits for their compiles, whose autotuning XLA keeps for it, where compiling beside
+        them would tune the same matmuls again. `progress(done, total)` is called as programs
+        become ready. Once `stop` is set no further program is lowered; those lowered finish."""
         todo = {p.key: p for p in programs if p.key not in self._compiled}
         total = len(programs)
         devices = tuple(d.id for d in self.ctx.mesh.devices.flat) if self.ctx.mesh is not None else ()  # a replica's own
@@ -334,39 +350,36 @@ class Programs:
                         self.loaded += 1
             ready = total - len(todo) + sum(key in self._compiled for key in todo)
             progress(ready, total)
+            behind = tuning_order([p for key, p in todo.items() if key not in self._compiled])
+            submitted: dict[Hashable, Future] = {}
             compiling: dict[Future, Hashable] = {}
-            tuner: dict[tuple[str, int], Future] = {}  # a matmul's first program's compile
-            waiting: list[tuple[set[Future], Hashable, jax.stages.Lowered]] = []
+            waiting: dict[Hashable, jax.stages.Lowered] = {}  # lowered, behind compiles not done yet
 
-            def submit(key: Hashable, lowered: jax.stages.Lowered) -> Future:
-                future = pool.submit(self._compile, key, lowered, cache_keys.get(key))
-                compiling[future] = key
-                return future
+            def submit(key: Hashable, lowered: jax.stages.Lowered) -> None:
+                submitted[key] = pool.submit(self._compile, key, lowered, cache_keys.get(key))
+                compiling[submitted[key]] = key
 
-            def submit_released() -> None:
-                for entry in [entry for entry in waiting if all(f.done() for f in entry[0])]:
-                    waiting.remove(entry)
-                    submit(*entry[1:])
+            def release() -> None:
+                for key in [key for key in waiting if all(submitted[k].done() for k in behind[key])]:
+                    submit(key, waiting.pop(key))
 
             for key, p in todo.items():
                 if stop is not None and stop.is_set():
                     break
                 if key not in self._compiled:
                     lowered = self._lower(p)
-                    gemms = p.kind.gemms(key[1:])
-                    if gemms and all(g in tuner for g in gemms):
-                        waiting.append(({tuner[g] for g in gemms}, key, lowered))
+                    if key in behind:  # those it waits for come earlier in the list: they are submitted
+                        waiting[key] = lowered
                     else:
-                        future = submit(key, lowered)
-                        tuner.update({g: future for g in gemms if g not in tuner})
-                    submit_released()
+                        submit(key, lowered)
+                    release()
             while compiling:
                 done, _ = wait(compiling, return_when=FIRST_COMPLETED)
                 for future in done:
                     self._compiled[compiling.pop(future)] = future.result()
                     ready += 1
                     progress(ready, total)
-                submit_released()
+                release()
         return sum(key in self._compiled for key in todo)
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
@@ -390,18 +403,16 @@ class Programs:
         return exe
 
 
-def compile_report(programs: Programs, keys: Iterable[Hashable], start: float) -> dict:
-    """The compiles of `keys` in a warm-up that began at `start`: the compile threads' seconds by
-    program kind, and its three longest compiles (kind and first key, the bucket): their sum over
-    the pool's threads against the longest says whether more threads or a shorter program would
-    shorten the warm-up. And when each kind's last compile ended, in seconds from `start`: which
-    kind's compiles end the warm-up, and how long the ones `compile_all` holds back wait."""
-    seconds = {key: programs.compile_seconds[key] for key in keys}
+def compile_report(seconds: dict[Hashable, float], ended: dict[Hashable, float]) -> dict:
+    """A warm-up's compile threads' seconds by program kind, and its three longest compiles (kind and
+    first key, the bucket): their sum over the pool's threads against the longest says whether more
+    threads or a shorter program would shorten the warm-up. And when each kind's last compile ended
+    (`ended`: seconds from the warm-up's start): which kind's compiles end the warm-up."""
     by_kind: Counter[str] = Counter()
     done: dict[str, float] = {}
     for key, spent in seconds.items():
         by_kind[key[0]] += spent
-        done[key[0]] = max(done.get(key[0], 0.0), programs.compile_ended[key] - start)
+        done[key[0]] = max(done.get(key[0], 0.0), ended[key])
     slowest = sorted(seconds.items(), key=lambda item: item[1], reverse=True)[:3]
     return {"compile_thread_seconds_by_kind": {kind: round(spent, 2) for kind, spent in by_kind.items()},
             "compiles_done_by_kind": {kind: round(at, 2) for kind, at in done.items()},

@@ -291,6 +291,7 @@ class Runner:
         everything = programs.warmup_programs()
         first = programs.warmup_programs(tiers[0]) if background else everything
         _, compiled = programs.warm_up(first, progress, len(everything))
+        compiled_here = [p.key for p in first if p.key in programs.compile_seconds and p.key not in compiled_before]
         self._serving = tiers[0]
         if len(tiers) > 1:
             self._warming = threading.Thread(target=self._warm_up_tiers, args=(tiers[1:], progress, len(everything)),
@@ -306,8 +307,8 @@ class Runner:
             "lowering_seconds": round(programs.lowering_seconds - lowering, 2),
             "tracing_seconds": round(programs.tracing_seconds - tracing, 2),  # of lowering_seconds
             "lowering_seconds_by_kind": {kind: round(seconds, 2) for kind, seconds in (programs.lowering_by_kind - by_kind).items()},
-            **compile_report(programs, [p.key for p in first if p.key in programs.compile_seconds
-                                        and p.key not in compiled_before], start),
+            **compile_report({key: programs.compile_seconds[key] for key in compiled_here},
+                             {key: programs.compile_ended[key] - start for key in compiled_here}),
             "loaded_from_cache": programs.loaded - loaded,  # of `compiled`: read from the program cache
             "kv_cache_blocks": cfg.num_blocks,
             "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
