@@ -466,5 +466,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"jaxrunner: error: {e}\n")
 
 
+def console_main() -> int:
+    """The `jaxrunner` program: `main` in a process no PyTorch is imported into. transformers
+    imports PyTorch wherever it is installed, for a config or a tokenizer too, which adds seconds to
+    every start; jaxrunner never runs it (`bench` runs its HF peer in a process of its own). With
+    None in `sys.modules`, `import torch` fails and transformers finds no PyTorch."""
+    sys.modules.setdefault("torch", None)
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -86,16 +86,22 @@ def test_malformed_messages_are_named(llm, messages, message):
         llm.chat(messages, use_tqdm=False)
 
 
-def jaxrunner(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+def jaxrunner(*args: str, stdin: str | None = None, path: str = "") -> subprocess.CompletedProcess:
     script = Path(sys.executable).with_name("jaxrunner")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "jaxrunner.cli"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
     return subprocess.run([*command, *args], input=stdin, capture_output=True, text=True, env=env, timeout=600)
 
 
 @needs_wheel
-def test_the_readme_first_command_answers():
-    done = jaxrunner("generate", "The capital of France is")
+def test_the_readme_first_command_answers(tmp_path):
+    """Also where PyTorch is installed, which transformers would import for the config and the
+    tokenizer: here a stand-in whose import fails, so the command answers only if nothing imports it."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text('raise RuntimeError("jaxrunner imported PyTorch")\n')
+    (tmp_path / "torch-2.11.0.dist-info").mkdir()
+    (tmp_path / "torch-2.11.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0\n")
+    done = jaxrunner("generate", "The capital of France is", path=str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().splitlines()[0] == model_files.default_model_notice()
     assert done.stdout.startswith("Prompt: 'The capital of France is', Generated text: ")

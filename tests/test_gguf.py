@@ -243,7 +243,8 @@ def test_a_damaged_cache_converts_anew_and_work_left_by_killed_conversions_goes(
 
 def test_the_start_that_converts_takes_the_params_from_memory_once(tmp_path, monkeypatch):
     """The conversion hands its params over: the first load in its dtype reads no file; the next
-    ones, and a load in another dtype, restore the files."""
+    ones, and a load in another dtype, restore the files. Both are placed alike, so a program
+    lowers the same for either, and the next start finds the converting start's programs cached."""
     monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path / "cache"))
     out = model_files.converted(str(write_gguf(tmp_path / "m.gguf", "tiny-qwen3")))
     restores = []
@@ -252,6 +253,8 @@ def test_the_start_that_converts_takes_the_params_from_memory_once(tmp_path, mon
     first, second = open_checkpoint(out).load(), open_checkpoint(out).load()
     assert len(restores) == 1
     jax.tree.map(np.testing.assert_array_equal, first, second)
+    program = jax.jit(lambda params: jax.tree.map(jnp.negative, params))
+    assert program.lower(first).as_text() == program.lower(second).as_text()
     other = model_files.converted(str(write_gguf(tmp_path / "n.gguf", "tiny-qwen3")))
     assert open_checkpoint(other).load("bfloat16")["embed"].dtype == jnp.bfloat16  # not the float32 handed over
     assert len(restores) == 2

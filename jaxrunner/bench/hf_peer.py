@@ -15,7 +15,7 @@ float32: for tests; the figures mean nothing there).
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 import json
 import statistics
 import subprocess
@@ -26,9 +26,10 @@ from pathlib import Path
 
 
 def peer_unavailable() -> str | None:
-    """Why the peer cannot run in this Python (None: it can). Only looks for the packages, so the
-    caller's process never imports torch; the CUDA check is the peer process's own."""
-    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    """Why the peer cannot run in this Python (None: it can). Only looks for the packages on the
+    path, so the caller's process never imports torch (and may bar it: `cli.console_main`); the CUDA
+    check is the peer process's own."""
+    missing = [name for name in ("torch", "transformers") if importlib.machinery.PathFinder.find_spec(name) is None]
     return f"{' and '.join(missing)} not importable" if missing else None
 
 

@@ -120,19 +120,23 @@ class SavedParams:
         return params if held is None or held == self.config else quantize_params(held, params)
 
     def _restore(self, dtype: str) -> Params:
+        """Committed to the first device, whether handed over or read: a program lowered for
+        uncommitted params differs from one for committed params, so the start after a conversion
+        would find none of the conversion's programs in the program cache."""
         import orbax.checkpoint as ocp
 
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         params = _handed_over.pop(os.path.realpath(self.path), None)
         if params is not None and params["embed"].dtype == jnp.dtype(dtype):
-            return params
-        target = param_structs(self.config, dtype, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+            return jax.device_put(params, device)
+        target = param_structs(self.config, dtype, device)
         try:
             stored = ocp.StandardCheckpointer().restore(os.path.join(self.path, PARAMS_DIR), jax.tree.map(_on_disk, target))
-            return jax.tree.map(_in_memory, stored, target)
         except Exception as e:  # orbax and TensorStore raise bare Exceptions for damaged files
             reason = " ".join(str(e).split())
             raise ValueError(f"cannot restore the params saved in {self.path!r} ({reason:.300}); "
                              "delete the directory to convert anew") from None
+        return jax.device_put(jax.tree.map(_in_memory, stored, target), device)
 
 
 def save_params(path: str, params: Params) -> None:

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
@@ -166,6 +165,8 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance.hf  # imports transformers: not at `import jaxrunner` (see `cli.console_main`)
+
         if len(self._hf_tokenizer) > self._vocab_size:
             raise ValueError(f"the tokenizer has {len(self._hf_tokenizer)} tokens, more than the model's "
                              f"{self._vocab_size}: structured outputs need a tokenizer that matches the model")
