@@ -1,5 +1,6 @@
-"""Start-up's Python half: the time to lower (trace, then emit StableHLO and the Pallas kernels'
-Triton IR) every program `Runner.warmup` compiles for an H200, with the engine's default GPU
+"""Start-up's Python half: the time to plan warm-up's synthetic steps (`plans_seconds`), then to
+lower (trace, then emit StableHLO and the Pallas kernels' Triton IR) every program `Runner.warmup`
+compiles for an H200, with the engine's default GPU
 configuration. Lowering holds the GIL, so unlike XLA's compiles it does not spread over cores. Runs
 on any machine: the runner is built as on a GPU (`jaxrunner.platform` answers "on a GPU") and the Pallas
 lowering targets an abstract H200; nothing is compiled or allocated.
@@ -40,11 +41,14 @@ def main() -> None:
                                     abstract_device=H200.abstract_device)
     with mock.patch("jaxrunner.platform.on_gpu", return_value=True), jax.sharding.use_abstract_mesh(gpu):
         runner = Runner(model, jax.eval_shape(lambda: init_params(model, jax.random.key(0), "bfloat16")), config)
-        for program in runner.programs.warmup_programs():
+        start = time.perf_counter()
+        programs = runner.programs.warmup_programs()  # the plans of warm-up's schedules, made on every start
+        plans_seconds = time.perf_counter() - start
+        for program in programs:
             start = time.perf_counter()
             program.kind.jitted.trace(*program.args, **program.statics).lower(lowering_platforms=("cuda",))
             seconds[program.key[0]].append(time.perf_counter() - start)
-    result = {**vars(args), "programs": sum(map(len, seconds.values())),
+    result = {**vars(args), "plans_seconds": round(plans_seconds, 3), "programs": sum(map(len, seconds.values())),
               "lower_seconds": round(sum(map(sum, seconds.values())), 1),
               "by_function": {name: {"programs": len(s), "seconds": round(sum(s), 2), "slowest": round(max(s), 2)}
                               for name, s in seconds.items()}}

@@ -10,6 +10,7 @@ every check has passed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,14 +152,19 @@ def warmup_schedules(ctx: Context) -> list[SchedulerOutput]:
     request table: each request bucket with each sampler variant (the new requests past a
     prefix-cache hit, so the row writes come too; a structured variant with every token allowed),
     each token bucket in the backbone's general and decode forms, and each multi-step decode batch.
-    Their requests share the blocks from 0 on, holding nothing a served request could read."""
+    Their requests share the blocks from 0 on, holding nothing a served request could read, and
+    each only the blocks its tokens reach: a block table row is as wide either way, and checking
+    and copying every request's full row of ids took most of the time these plans take."""
     cfg = ctx.config
     groups = len(ctx.model.kv_cache_groups)
-    blocks = [b % cfg.num_blocks for b in range(cfg.max_blocks_per_req)]  # room for any length
+
+    def blocks(n: int, num_steps: int) -> list[int]:
+        reach = min(n + num_steps + cfg.speculative.num_lookahead_tokens, cfg.max_model_len)
+        return [b % cfg.num_blocks for b in range(math.ceil(reach / cfg.block_size))]
 
     def schedule(lengths: list[int], params: SamplingParams = SamplingParams(), computed: int = 0,
                  num_steps: int = 1, structured: bool = False) -> SchedulerOutput:
-        new = [NewRequestData(f"warmup-{i}", [1] * n, (blocks,) * groups, computed, params)
+        new = [NewRequestData(f"warmup-{i}", [1] * n, (blocks(n, num_steps),) * groups, computed, params)
                for i, n in enumerate(lengths)]
         scheduled = {r.req_id: n - computed for r, n in zip(new, lengths)}
         masks = np.full((len(new), mask_words(ctx.model.vocab_size)), -1, np.int32) if structured else None
