@@ -7,6 +7,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 from jax._src import xla_bridge
@@ -16,6 +17,7 @@ from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.engine.default_model import default_model
 from jaxrunner.engine.engine_args import EngineArgs, host_tier_bytes, kv_blocks_that_fit
 from jaxrunner.engine.host_tier import max_loads
+from jaxrunner.runner import programs as programs_module
 from jaxrunner.runner.programs import DECODE_LOOP
 
 
@@ -40,6 +42,22 @@ def test_the_reservation_covers_the_multi_step_decode_loop():
     forward = runner.compile_forward(16).memory_analysis().temp_size_in_bytes
     assert loop > forward
     assert runner.peak_step_bytes() >= loop
+
+
+def test_a_start_reads_the_step_peak_an_earlier_start_measured(tmp_path, monkeypatch):
+    """With a program cache the figure is kept: the next start (a fresh program table) reads it
+    without compiling or loading the programs it came from; another configuration measures anew."""
+    cfg, params = default_model()
+    config = RunnerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, num_blocks=1,
+                          token_buckets=(), compilation_cache_dir=str(tmp_path))
+    measured = Runner(cfg, params, config).peak_step_bytes()
+    monkeypatch.setattr(programs_module, "_shared", weakref.WeakValueDictionary())  # as in a new process
+    runner = Runner(cfg, params, config)
+    monkeypatch.setattr(programs_module.Programs, "compile_all", lambda *a, **k: pytest.fail("compiled or loaded"))
+    assert runner.peak_step_bytes() == measured > 0
+    monkeypatch.undo()
+    wider = Runner(cfg, params, dataclasses.replace(config, max_num_batched_tokens=512, token_buckets=()))
+    assert wider.peak_step_bytes() > measured and wider.programs.compile_seconds
 
 
 def test_blocks_fit_beside_the_weights_and_the_step():

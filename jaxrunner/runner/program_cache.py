@@ -115,7 +115,22 @@ class ProgramCache:
         except (ValueError, NotImplementedError) as e:
             logger.info("program %s not cached: %s", key, e)
             return
+        self._write(f"{key}.jaxexe", data)
+
+    def load_figure(self, key: str) -> int | None:
+        """A number `store_figure` kept under `key`, or None."""
+        try:
+            return int((self.directory / f"{key}.figure").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def store_figure(self, key: str, value: int) -> None:
+        """Keep a number measured from executables (keyed by theirs), so that a later start need not
+        load them to read it."""
+        self._write(f"{key}.figure", str(value).encode())
+
+    def _write(self, name: str, data: bytes) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        temporary = self.directory / f"{key}.{os.getpid()}.tmp"
+        temporary = self.directory / f"{name}.{os.getpid()}.tmp"
         temporary.write_bytes(data)
-        os.replace(temporary, self.directory / f"{key}.jaxexe")  # readers never see a partial file
+        os.replace(temporary, self.directory / name)  # readers never see a partial file

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import logging
 import os
@@ -338,9 +339,7 @@ class Programs:
         become ready. Once `stop` is set no further program is lowered; those lowered finish."""
         todo = {p.key: p for p in programs if p.key not in self._compiled}
         total = len(programs)
-        devices = tuple(d.id for d in self.ctx.mesh.devices.flat) if self.ctx.mesh is not None else ()  # a replica's own
-        cache_keys = ({key: self._cache.key(p.kind.jitted, (key, devices), p.args, p.statics) for key, p in todo.items()}
-                      if self._cache else {})
+        cache_keys = {key: self._cache_key(p) for key, p in todo.items()} if self._cache else {}
         workers = workers or min(len(todo), os.cpu_count() or 1) or 1
         with ThreadPoolExecutor(workers) as pool:
             if cache_keys:
@@ -381,6 +380,23 @@ class Programs:
                     progress(ready, total)
                 release()
         return sum(key in self._compiled for key in todo)
+
+    def largest_temp_bytes(self, programs: Sequence[Program]) -> int:
+        """The largest temporary device memory of `programs` (their executables' `memory_analysis`).
+        With a program cache, the figure is kept beside the executables, so a start that finds it
+        loads none of them for it."""
+        key = hashlib.sha256(" ".join(map(self._cache_key, programs)).encode()).hexdigest() if self._cache else None
+        if key is not None and (figure := self._cache.load_figure(key)) is not None:
+            return figure
+        self.compile_all(programs)
+        figure = max(self._compiled[p.key].memory_analysis().temp_size_in_bytes for p in programs)
+        if key is not None:
+            self._cache.store_figure(key, figure)
+        return figure
+
+    def _cache_key(self, program: Program) -> str:
+        devices = tuple(d.id for d in self.ctx.mesh.devices.flat) if self.ctx.mesh is not None else ()  # a replica's own
+        return self._cache.key(program.kind.jitted, (program.key, devices), program.args, program.statics)
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
         """Under tensor parallelism, on the context's mesh: host arrays are then replicated over it."""

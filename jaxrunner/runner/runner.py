@@ -369,7 +369,8 @@ class Runner:
         token bucket's backbone, the fullest sampler at the largest request bucket and, where steps
         run several at a time, the largest decode loop (it holds a backbone's and a sampler's
         temporaries at once): a profiling compile that needs no cache allocated (the cache is
-        aliased, so its size changes nothing), the programs compiled side by side."""
+        aliased, so its size changes nothing), the programs compiled side by side, or the figure
+        a start with the same programs kept in the program cache."""
         ctx = self.ctx
         flags, b = ctx.sampler_variants[-1], self.config.request_buckets[-1]
         named = dict(params=ctx.params, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags), flags=flags)
@@ -378,9 +379,7 @@ class Runner:
         else:
             sampler = self.programs.program(SAMPLE, token_ids=ctx.state.token_ids, **named)
         loops = self.programs.examples(DECODE_LOOP)[:1]  # the largest first
-        programs = [self._forward_program(self.config.max_num_batched_tokens), sampler, *loops]
-        self.programs.compile_all(programs)
-        return max(self.programs.executable(p).memory_analysis().temp_size_in_bytes for p in programs)
+        return self.programs.largest_temp_bytes([self._forward_program(self.config.max_num_batched_tokens), sampler, *loops])
 
     def compile_forward(self, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""
