@@ -29,6 +29,7 @@ scales and the transpose back to [M, N], fused into one pass over the small outp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -62,17 +63,28 @@ def supported(num_rows: int, values: jax.Array, scales: jax.Array, offsets: bool
     return 8 <= num_rows <= MAX_ROWS and num_rows % 8 == 0 and n % TILE_N == 0 and step_ok
 
 
-def split_count(n: int, steps: int, num_sms: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How a call cuts its work, for measuring other cuts (`benchmarks/matmul.py --sweep`): K per
+    pipeline step (0: the format's), steps in flight, K ranges (0: `split_count`'s) and weight rows
+    per program (a multiple of a wgmma's 64)."""
+    step: int = 0
+    stages: int = STAGES
+    splits: int = 0
+    rows: int = TILE_N
+
+
+def split_count(n: int, steps: int, num_sms: int, rows: int = TILE_N) -> int:
     """K ranges: the fewest (a power of two, at least 2) that give two programs per SM, each range
     keeping a full pipeline's steps."""
     splits = 2
-    while (n // TILE_N) * splits < 2 * num_sms and steps % (2 * splits) == 0 and steps // (2 * splits) >= STAGES:
+    while (n // rows) * splits < 2 * num_sms and steps % (2 * splits) == 0 and steps // (2 * splits) >= STAGES:
         splits *= 2
     return splits if steps % splits == 0 and steps // splits >= 1 else 1
 
 
 def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
-                     num_sms: int, interpret: bool = False) -> jax.Array:
+                     num_sms: int, interpret: bool = False, tiling: Tiling = Tiling()) -> jax.Array:
     """x [M, K] @ (values [N, K] scaled by scales [G, N], plus offsets [G, N] for uint4)^T in x's
     dtype, [M, N]. `interpret`: simulated on the CPU, fp8 only (Mosaic GPU's interpreter has no
     register operand for wgmma, which the integer formats' widened tiles are)."""
@@ -84,15 +96,15 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, offsets
                          f"{scales.shape[0]} scale groups: see `supported`")
     if values.dtype == jnp.float8_e4m3fn:
         xq, x_scales = fp8_rows(x)
-        step = 128 if values.shape[1] % 128 == 0 else 64  # K per pipeline step: one swizzled row of 128 bytes or 64
-        partial = _partial_sums(xq, values, scales, step, num_sms, interpret)
+        step = tiling.step or (128 if values.shape[1] % 128 == 0 else 64)  # one swizzled row of 128 bytes or 64
+        partial = _partial_sums(xq, values, scales, step, num_sms, interpret, tiling)
         return (partial.sum(0).T * x_scales * scales[0]).astype(x.dtype)
     if values.dtype == jnp.uint4:
-        step = 256 if values.shape[1] % 256 == 0 else 128 if values.shape[1] % 128 == 0 else 64
+        step = tiling.step or (256 if values.shape[1] % 256 == 0 else 128 if values.shape[1] % 128 == 0 else 64)
         packed, xp = int4_operands(values, x.astype(jnp.bfloat16))
-        return _partial_sums(xp, packed, scales, step, num_sms, interpret, offsets=offsets).sum(0).T.astype(x.dtype)
-    step = values.shape[1] // scales.shape[0]
-    return _partial_sums(x.astype(jnp.bfloat16), values, scales, step, num_sms, interpret).sum(0).T.astype(x.dtype)
+        return _partial_sums(xp, packed, scales, step, num_sms, interpret, tiling, offsets=offsets).sum(0).T.astype(x.dtype)
+    step = values.shape[1] // scales.shape[0]  # one scale group
+    return _partial_sums(x.astype(jnp.bfloat16), values, scales, step, num_sms, interpret, tiling).sum(0).T.astype(x.dtype)
 
 
 def int4_operands(values: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -114,12 +126,13 @@ def dense_supported(num_rows: int, w: jax.Array) -> bool:
             and k % 64 == 0)
 
 
-def dense_matmul(x: jax.Array, w: jax.Array, *, num_sms: int, interpret: bool = False) -> jax.Array:
+def dense_matmul(x: jax.Array, w: jax.Array, *, num_sms: int, interpret: bool = False,
+                 tiling: Tiling = Tiling()) -> jax.Array:
     """x [M, K] @ w [K, N] for bf16 w, in x's dtype (`interpret`: simulated on the CPU)."""
     if not dense_supported(x.shape[0], w):
         raise ValueError(f"dense_matmul cannot run x {x.shape} by {w.dtype} {w.shape}: see `dense_supported`")
-    step = 128 if w.shape[0] % 128 == 0 else 64
-    return _partial_sums(x.astype(jnp.bfloat16), w, None, step, num_sms, interpret).sum(0).T.astype(x.dtype)
+    step = tiling.step or (128 if w.shape[0] % 128 == 0 else 64)
+    return _partial_sums(x.astype(jnp.bfloat16), w, None, step, num_sms, interpret, tiling).sum(0).T.astype(x.dtype)
 
 
 def grouped_tile(num_rows: int, num_groups: int) -> int:
@@ -155,7 +168,7 @@ def grouped_dense_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     sources = jnp.minimum(plan[:, 1:2] + jnp.arange(tile, dtype=jnp.int32), plan[:, 2:3] - 1).reshape(-1)
     x = lhs.astype(jnp.bfloat16)[jnp.clip(sources, 0, num_rows - 1)]
     step = 128 if k % 128 == 0 else 64
-    partial = _partial_sums(x, rhs, None, step, num_sms, interpret, plan=plan, tile=tile)
+    partial = _partial_sums(x, rhs, None, step, num_sms, interpret, Tiling(), plan=plan, tile=tile)
     by_tile = partial.sum(0).transpose(0, 2, 1).reshape(-1, rhs.shape[2])
     place, valid = tile_major_rows(group_sizes, num_rows, tile)
     return jnp.where(valid[:, None], by_tile[place], 0).astype(lhs.dtype)
@@ -178,7 +191,7 @@ def _transforms(cols: int, dtype) -> tuple:
 
 
 def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, step: int, num_sms: int,
-                  interpret: bool, plan: jax.Array | None = None, tile: int = 0,
+                  interpret: bool, tiling: Tiling, plan: jax.Array | None = None, tile: int = 0,
                   offsets: jax.Array | None = None) -> jax.Array:
     """float32 [splits, N, M]: each K range's W @ x^T, int8 tiles scaled per group as they widen.
     With `offsets`, `values` holds uint4 as bytes ([N, K / 2], `int4_operands`) and x is reordered
@@ -194,7 +207,10 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
     n = values.shape[-1] if dense else values.shape[0]
     tiles = plan.shape[0] if grouped else 1
     steps = k // step
-    splits = split_count(n * tiles, steps, num_sms)
+    tile_n = tiling.rows
+    splits = tiling.splits or split_count(n * tiles, steps, num_sms, tile_n)
+    if steps % splits:
+        raise ValueError(f"{splits} K ranges do not divide {steps} steps of {step}")
     per_split = steps // splits
     widen = values.dtype != x.dtype  # int8: to bf16 in registers; fp8 goes to the tensor cores as it is
     nibbles = offsets is not None
@@ -203,7 +219,7 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
     def kernel(*refs, out_smem):
         plan_gmem, x_gmem, v_gmem, *rest = refs if grouped else (None, *refs)
         *s_gmem, out_gmem = rest  # the scales (and offsets), but for a bf16 weight
-        rows = pl.ds(lax.axis_index("n") * TILE_N, TILE_N)
+        rows = pl.ds(lax.axis_index("n") * tile_n, tile_n)
         split = lax.axis_index("split")
         cols = pl.ds(split * per_split * step, per_split * step)
         tokens, out_gmem = pl.ds(0, m), out_gmem.at[split]
@@ -214,7 +230,7 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
             v_gmem, out_gmem = v_gmem.at[jnp.maximum(group, 0)], out_gmem.at[index]
 
         def product():
-            @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, m), jnp.float32))
+            @functools.partial(pl.run_scoped, acc=plgpu.ACC((tile_n, m), jnp.float32))
             def _(acc):
                 def body(_, v_smem, x_smem, *s_smem):
                     if nibbles:
@@ -233,25 +249,25 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
                     plgpu.wgmma_wait(0)
 
                 if dense:
-                    weight = plgpu.BlockSpec((step, TILE_N), lambda j: (j, 0),
-                                             transforms=_transforms(TILE_N, values.dtype))
+                    weight = plgpu.BlockSpec((step, tile_n), lambda j: (j, 0),
+                                             transforms=_transforms(tile_n, values.dtype))
                     refs = [v_gmem.at[cols, rows], x_gmem.at[tokens, cols]]
                 elif nibbles:  # a group's 16 bytes a tile, and its nibbles' 16 columns of x
-                    weight = plgpu.BlockSpec((TILE_N, step // 2), lambda j: (0, j),
+                    weight = plgpu.BlockSpec((tile_n, step // 2), lambda j: (0, j),
                                              transforms=(plgpu.TilingTransform((8, HALF)),))
                     refs = [v_gmem.at[rows, pl.ds(split * (per_split * step // 2), per_split * step // 2)],
                             x_gmem.at[tokens, cols]]
                 else:
-                    weight = plgpu.BlockSpec((TILE_N, step), lambda j: (0, j), transforms=_transforms(step, values.dtype))
+                    weight = plgpu.BlockSpec((tile_n, step), lambda j: (0, j), transforms=_transforms(step, values.dtype))
                     refs = [v_gmem.at[rows, cols], x_gmem.at[tokens, cols]]
                 x_cols = HALF if nibbles else step
                 specs = [weight, plgpu.BlockSpec((m, step), lambda j: (0, j), transforms=_transforms(x_cols, x.dtype))]
                 if widen:
                     for ref in s_gmem:
-                        specs.append(plgpu.BlockSpec((groups, TILE_N), lambda j: (j, 0)))
+                        specs.append(plgpu.BlockSpec((groups, tile_n), lambda j: (j, 0)))
                         refs.append(ref.at[pl.ds(split * per_split * groups, per_split * groups), rows])
                 plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs,
-                                    max_concurrent_steps=min(STAGES, per_split))(*refs)
+                                    max_concurrent_steps=min(tiling.stages, per_split))(*refs)
                 out_smem[...] = acc[...]
 
             plgpu.commit_smem()
@@ -266,9 +282,9 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, *((tiles,) if grouped else ()), n, m), jnp.float32),
-        grid=(n // TILE_N, splits, *((tiles,) if grouped else ())),
+        grid=(n // tile_n, splits, *((tiles,) if grouped else ())),
         grid_names=("n", "split", *(("tile",) if grouped else ())),
-        scratch_types=dict(out_smem=plgpu.SMEM((TILE_N, m), jnp.float32)),
+        scratch_types=dict(out_smem=plgpu.SMEM((tile_n, m), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*(() if plan is None else (plan,)), x, values, *([] if dense else [scales]), *([offsets] if nibbles else []))

@@ -134,6 +134,26 @@ def test_the_bf16_form_interpreted_matches_the_product(k, n, rows):
     assert not kernel.dense_supported(72, w) and not kernel.dense_supported(16, w.astype(jnp.float32))
 
 
+@pytest.mark.parametrize("tiling", [kernel.Tiling(rows=128, splits=1, stages=2), kernel.Tiling(step=64, splits=4)])
+def test_other_cuts_interpreted_give_the_same_product(tiling):
+    """`Tiling`'s other cuts (for `benchmarks/matmul.py --sweep`): 128 weight rows a program in one
+    K range, or steps of 64 in 4 ranges, fp8 and bf16, simulated on the CPU against the references;
+    K ranges that do not divide the steps are refused."""
+    rng = np.random.default_rng(tiling.rows + tiling.splits)
+    k, n, rows = 512, 256, 16
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.bfloat16)
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    got = kernel.dense_matmul(x, w, num_sms=2, interpret=True, tiling=tiling)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    held = quantize(jnp.asarray(w, jnp.float32), "fp8")
+    got = kernel.quantized_matmul(x, held.values, held.scales, num_sms=2, interpret=True, tiling=tiling)
+    want = _reference(np.asarray(x, np.float32), np.asarray(held.values.astype(jnp.float32)), np.asarray(held.scales), True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    with pytest.raises(ValueError, match="3 K ranges do not divide"):
+        kernel.dense_matmul(x, w, num_sms=2, interpret=True, tiling=kernel.Tiling(splits=3))
+
+
 def _groups(rng, rows: int, experts: int, routed: int) -> jax.Array:
     """Group sizes for `routed` of `rows` rows (the rest past every group) over `experts` experts,
     some of them empty."""
