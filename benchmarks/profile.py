@@ -7,8 +7,8 @@ step: the wall time (untraced), the floor, and from a traced run of as many step
 time (union of its kernels), its span (busy plus the gaps: host work, launches, copies; tracing
 widens them), and the kernels that take the most time.
 
-    PYTHONPATH=$PWD python benchmarks/profile.py --shape llama3-8b --batch 1 --context 128 [--inline-layers] [--batch-invariant]
-Writes $OUT/profile_b{batch}_c{context}_k{decode_steps}[_inline][_invariant].json when OUT is set, with the
+    PYTHONPATH=$PWD python benchmarks/profile.py --shape llama3-8b --batch 1 --context 128 [--inline-layers] [--batch-invariant] [--quantization F]
+Writes $OUT/profile_b{batch}_c{context}_k{decode_steps}[_inline][_invariant][_F].json when OUT is set, with the
 first traced step's kernels in order (one layer's chain of kernels is read there).
 """
 
@@ -29,6 +29,8 @@ from jax.profiler import ProfileData
 
 from jaxrunner import CachedRequestData, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput, platform
 from jaxrunner.bench.floors import COPY_BANDWIDTH, weight_bytes_per_step
+from jaxrunner.checkpoints.loader import held_config
+from jaxrunner.config import QUANTIZATION_FORMATS
 from jaxrunner.models import llama
 from jaxrunner.models.llama import init_params
 from jaxrunner.checkpoints.dummy import SHAPES, shape
@@ -36,10 +38,11 @@ from jaxrunner.runner.memory import kv_cache_bytes
 
 
 def decode_batch(name: str, batch: int, context: int, steps: int, num_steps: int,
-                 batch_invariant: bool = False) -> tuple[Runner, object, list]:
-    """A bf16 runner with random weights and the SchedulerOutputs of `steps` decode calls of `batch`
-    requests whose first `context` - 1 tokens count as cached (zeroed pages: timing only)."""
-    model = shape(name)
+                 batch_invariant: bool = False, quantization: str | None = None) -> tuple[Runner, object, list]:
+    """A bf16 runner with random weights (the layers' held in `quantization`'s format) and the
+    SchedulerOutputs of `steps` decode calls of `batch` requests whose first `context` - 1 tokens
+    count as cached (zeroed pages: timing only)."""
+    model = held_config(shape(name), quantization)
     dtype = "bfloat16" if platform.on_gpu() else "float32"
     length = context + steps * num_steps + 1
     blocks_per_req = -(-length // 16)
@@ -156,12 +159,13 @@ def main() -> None:
     parser.add_argument("--inline-layers", action="store_true",
                         help="trace every layer in place instead of calling the jitted llama.decoder_layer")
     parser.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode's step")
+    parser.add_argument("--quantization", choices=QUANTIZATION_FORMATS, help="the layers' weights in this format")
     args = parser.parse_args()
     if args.inline_layers:  # the step as it was lowered before the layer became a jitted function
         llama.decoder_layer = llama.decoder_layer.__wrapped__
 
     runner, state, scheds = decode_batch(args.shape, args.batch, args.context, 2 * args.steps + 3, args.decode_steps,
-                                         args.batch_invariant)
+                                         args.batch_invariant, args.quantization)
     state, _ = pipelined(runner, state, scheds[:3])  # compile and warm
     state, seconds = pipelined(runner, state, scheds[3 : 3 + args.steps])
     events = trace_kernels(lambda: pipelined(runner, state, scheds[3 + args.steps :]))
@@ -174,7 +178,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "first_step_kernels"}, indent=1))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"profile_b{args.batch}_c{args.context}_k{args.decode_steps}{'_inline' * args.inline_layers}"
-                               f"{'_invariant' * args.batch_invariant}.json"), "w") as f:
+                               f"{'_invariant' * args.batch_invariant}{'_' + args.quantization if args.quantization else ''}.json"), "w") as f:
             json.dump(result, f, indent=1)
 
 
