@@ -12,7 +12,7 @@ tiles and K ranges, `row_tiles.fixed_tile_matmul`), `--mosaic` bf16 weights thro
 kernel (`quantized_matmul.dense_matmul`, 8 to 64 rows), and `--rows` sets the activation's rows
 (W2's decode: 256). `--sweep` runs the Mosaic kernel of the format (bf16: `dense_matmul`) in other
 cuts (`quantized_matmul.Tiling`: K per step, steps in flight, K ranges) and prints each case's
-fastest beside the default, to choose the kernel's cuts from measurements.
+measurement as it goes (the JSON after each case), to choose the kernel's cuts from measurements.
 
     PYTHONPATH=$PWD python benchmarks/matmul.py --shape llama3-8b [--quantization fp8|int8|int4] [--batch-invariant] [--sweep]
 Writes $OUT/matmul_<shape>[_<format>][_invariant][_r<rows>].json when OUT is set.
@@ -90,19 +90,23 @@ def tilings(fmt: str | None) -> list[Tiling]:
     return [default, *alone, *pairs]
 
 
-def sweep(x: jax.Array, layers: list[list], reps: int, fmt: str | None) -> dict:
+def sweep(case: str, x: jax.Array, layers: list[list], layer_bytes: float, reps: int, fmt: str | None) -> dict:
     """Seconds per layer for each cut that compiles, runs and agrees with the default cut's product
-    (float32 sums in another order: within 1% of its largest value); else why not, by `Tiling`'s repr."""
+    (float32 sums in another order: within 1% of its largest value); else why not, by `Tiling`'s
+    repr. Each cut is printed as it is measured (a device trace each: seconds apiece)."""
     want = jnp.asarray(kernel_product(fmt, Tiling())(x, layers[0][0]), jnp.float32)
     seconds = {}
     for tiling in tilings(fmt):
         product = kernel_product(fmt, tiling)
         try:
             error = float(jnp.max(jnp.abs(product(x, layers[0][0]).astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
-            seconds[repr(tiling)] = (seconds_per_layer(x, layers, reps, product) if error < 1e-2
-                                     else f"wrong: largest error {error:.3g} of the largest value")
+            t = (seconds_per_layer(x, layers, reps, product) if error < 1e-2
+                 else f"wrong: largest error {error:.3g} of the largest value")
         except Exception as e:  # a cut the kernel refuses, or one Mosaic GPU cannot lower
-            seconds[repr(tiling)] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            t = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        seconds[repr(tiling)] = t
+        print(f"{case:12s} {tiling!r:40s} " + (f"{t * 1e6:7.1f} us {layer_bytes / t / 1e9:6.0f} GB/s "
+              f"({layer_bytes / t / COPY_BANDWIDTH:4.0%} of copy)" if isinstance(t, float) else t), flush=True)
     return seconds
 
 
@@ -122,8 +126,8 @@ def main() -> None:
         raise SystemExit("benchmarks/matmul.py needs a GPU: its times come from a device trace")
 
     results = {"device": jax.devices()[0].device_kind, "quantization": args.quantization or "bf16", "xla": args.xla,
-               "batch_invariant": args.batch_invariant, "rows": args.rows, "sweep": args.sweep, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-               "cases": {}}
+               "batch_invariant": args.batch_invariant, "rows": args.rows, "sweep": args.sweep,
+               "xla_flags": os.environ.get("XLA_FLAGS", ""), "cases": {}}
     product = matmul if args.xla else projection_matmul(Kernels.choose("auto", batch_invariant=args.batch_invariant))
     if args.mosaic:
         product = functools.partial(dense_matmul, num_sms=platform.num_sms())
@@ -137,15 +141,10 @@ def main() -> None:
         layer_bytes = weight_bytes_per_step({"layers": layers}) / count
         x = jax.random.normal(jax.random.key(0), (args.rows, k), jnp.bfloat16)
         if args.sweep:
-            cuts = sweep(x, layers, args.reps, args.quantization)
-            ran = {cut: t for cut, t in cuts.items() if isinstance(t, float)}
-            best = min(ran, key=ran.get, default=None)
-            results["cases"][case] = {"shapes": shapes, "layer_bytes": layer_bytes, "seconds": cuts}
-            for cut in dict.fromkeys([repr(Tiling()), best]) if best else cuts:
-                t = cuts[cut]
-                print(f"{case:12s} {cut:40s} " + (f"{t * 1e6:7.1f} us {layer_bytes / t / 1e9:6.0f} GB/s "
-                      f"({layer_bytes / t / COPY_BANDWIDTH:4.0%} of copy)" if isinstance(t, float) else t), flush=True)
+            results["cases"][case] = {"shapes": shapes, "layer_bytes": layer_bytes,
+                                      "seconds": sweep(case, x, layers, layer_bytes, args.reps, args.quantization)}
             del layers
+            write(results, args)
             continue
         seconds = seconds_per_layer(x, layers, args.reps, product)
         gbps = layer_bytes / seconds / 1e9
@@ -153,11 +152,15 @@ def main() -> None:
         print(f"{case:20s} {' + '.join(f'[{a}x{b}]' for a, b in shapes):32s} {seconds * 1e6:7.1f} us "
               f"{gbps:6.0f} GB/s ({gbps * 1e9 / COPY_BANDWIDTH:4.0%} of copy)", flush=True)
         del layers
+    write(results, args)
+
+
+def write(results: dict, args: argparse.Namespace) -> None:
+    """$OUT/matmul_<shape>[_<format>][_xla][_invariant][_mosaic][_sweep][_r<rows>].json, when OUT is set."""
     if os.environ.get("OUT"):
         name = (f"matmul_{args.shape}" + (f"_{args.quantization}" if args.quantization else "") + ("_xla" if args.xla else "")
                 + ("_invariant" if args.batch_invariant else "") + ("_mosaic" if args.mosaic else "")
-                + ("_sweep" if args.sweep else "")
-                + (f"_r{args.rows}" if args.rows != 16 else ""))
+                + ("_sweep" if args.sweep else "") + (f"_r{args.rows}" if args.rows != 16 else ""))
         with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
             json.dump(results, f, indent=1)
 
