@@ -1,8 +1,9 @@
 """The model runner: the host step (`runner.py`, `input_batch.py`), its compiled programs
 (`programs.py`) and the device step they run (`step.py` over `state.py`); the memory it will take
-(`memory.py`), for the engine to size the KV cache before the runner exists."""
+(`memory.py`) and its largest step's (`largest_step_bytes`), for the engine to size the KV cache
+before the runner exists."""
 
 from jaxrunner.runner.memory import bytes_per_block, kv_cache_bytes, lora_bytes
-from jaxrunner.runner.runner import Runner
+from jaxrunner.runner.runner import Runner, largest_step_bytes, runner_context
 
-__all__ = ["Runner", "bytes_per_block", "kv_cache_bytes", "lora_bytes"]
+__all__ = ["Runner", "bytes_per_block", "kv_cache_bytes", "largest_step_bytes", "lora_bytes", "runner_context"]

@@ -88,20 +88,16 @@ class Runner:
         self, model_config: ModelConfig, params: Params, config: RunnerConfig = RunnerConfig(),
         draft: tuple[ModelConfig, Params] | None = None,
     ) -> None:
-        tp, replica = config.tensor_parallel_size, config.data_parallel_rank
-        self.mesh = make_mesh(tp, replica) if tp > 1 or replica > 0 else None
-        config.check_model(model_config, None if draft is None else draft[0])
-        if tp > 1:  # the params laid out for the split
-            params = shard_layout(params, model_config, tp)
-            model_config = sharded_config(model_config, tp)
+        self.draft_model, self.draft_params = draft if draft is not None else (None, {})
+        self.ctx = runner_context(model_config, config, str(params["embed"].dtype), self.draft_model)
+        self.mesh, self.kernels = self.ctx.mesh, self.ctx.kernels
+        if config.tensor_parallel_size > 1:  # the params laid out for the split
+            params = shard_layout(params, model_config, config.tensor_parallel_size)
         if self.mesh is not None:
-            params = place(params, param_specs(model_config), self.mesh)
-        self.model_config = model_config
+            params = place(params, param_specs(self.ctx.model), self.mesh)
+        self.model_config = self.ctx.model
         self.config = config
         self.params = params
-        self.draft_model, self.draft_params = draft if draft is not None else (None, {})
-        self.kernels = Kernels.choose(config.kernels, config.batch_invariant)
-        self.ctx = Context(model_config, config, self.kernels, str(params["embed"].dtype), self.draft_model, self.mesh)
         self.programs = shared_programs(self.ctx)
         self._serving = self.ctx  # what steps are planned with: a background warm-up's tier meanwhile (`warmup`)
         self._warming: threading.Thread | None = None
@@ -365,28 +361,46 @@ class Runner:
         self.join_warmup()
 
     def peak_step_bytes(self) -> int:
-        """Temporary device memory of the largest step, from the compiled executables of the largest
-        token bucket's backbone, the fullest sampler at the largest request bucket and, where steps
-        run several at a time, the largest decode loop (it holds a backbone's and a sampler's
-        temporaries at once): a profiling compile that needs no cache allocated (the cache is
-        aliased, so its size changes nothing), the programs compiled side by side, or the figure
-        a start with the same programs kept in the program cache."""
-        ctx = self.ctx
-        flags, b = ctx.sampler_variants[-1], self.config.request_buckets[-1]
-        named = dict(params=ctx.params, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags), flags=flags)
-        if ctx.spec_tokens:
-            sampler = self.programs.program(SPEC_SAMPLE, draft_params=ctx.draft_params, state=ctx.state, **named)
-        else:
-            sampler = self.programs.program(SAMPLE, token_ids=ctx.state.token_ids, **named)
-        loops = self.programs.examples(DECODE_LOOP)[:1]  # the largest first
-        return self.programs.largest_temp_bytes([self._forward_program(self.config.max_num_batched_tokens), sampler, *loops])
+        """Temporary device memory of this runner's largest step (`largest_step_bytes`)."""
+        return largest_step_bytes(self.ctx)
 
     def compile_forward(self, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""
-        return self.programs.executable(self._forward_program(num_tokens, uniform_decode))
+        return self.programs.executable(_forward_program(self.ctx, num_tokens, uniform_decode))
 
-    def _forward_program(self, num_tokens: int, uniform_decode: bool = False) -> Program:
-        ctx = self.ctx
-        tokens = ctx.tokens(bucket(num_tokens, self.config.token_buckets))
-        return self.programs.program(FORWARD, params=ctx.params, draft_params=ctx.draft_params, lora=ctx.lora,
-                                     state=ctx.state, tokens=tokens, uniform_decode=uniform_decode)
+
+def runner_context(model_config: ModelConfig, config: RunnerConfig, dtype: str,
+                   draft_model: ModelConfig | None = None) -> Context:
+    """The context of a runner of this model and configuration, its params in `dtype`: the model as
+    each device holds it and the mesh under tensor parallelism, and the kernels. Checks that the
+    devices are there and that the model fits the configuration."""
+    tp, replica = config.tensor_parallel_size, config.data_parallel_rank
+    mesh = make_mesh(tp, replica) if tp > 1 or replica > 0 else None
+    config.check_model(model_config, draft_model)
+    model = sharded_config(model_config, tp) if tp > 1 else model_config
+    return Context(model, config, Kernels.choose(config.kernels, config.batch_invariant), dtype, draft_model, mesh)
+
+
+def largest_step_bytes(ctx: Context) -> int:
+    """Temporary device memory of the largest step of `ctx`'s runner, from the compiled executables
+    of the largest token bucket's backbone, the fullest sampler at the largest request bucket and,
+    where steps run several at a time, the largest decode loop (it holds a backbone's and a
+    sampler's temporaries at once): a profiling compile that needs no cache allocated (the cache
+    is aliased, so its size changes nothing) and no params (programs are made from their shapes),
+    so KV sizing may run while the weights load; the programs compiled side by side, or the figure
+    a start with the same programs kept in the program cache."""
+    programs = shared_programs(ctx)
+    flags, b = ctx.sampler_variants[-1], ctx.config.request_buckets[-1]
+    named = dict(params=ctx.params, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags), flags=flags)
+    if ctx.spec_tokens:
+        sampler = programs.program(SPEC_SAMPLE, draft_params=ctx.draft_params, state=ctx.state, **named)
+    else:
+        sampler = programs.program(SAMPLE, token_ids=ctx.state.token_ids, **named)
+    loops = programs.examples(DECODE_LOOP)[:1]  # the largest first
+    return programs.largest_temp_bytes([_forward_program(ctx, ctx.config.max_num_batched_tokens), sampler, *loops])
+
+
+def _forward_program(ctx: Context, num_tokens: int, uniform_decode: bool = False) -> Program:
+    tokens = ctx.tokens(bucket(num_tokens, ctx.config.token_buckets))
+    return shared_programs(ctx).program(FORWARD, params=ctx.params, draft_params=ctx.draft_params, lora=ctx.lora,
+                                        state=ctx.state, tokens=tokens, uniform_decode=uniform_decode)
