@@ -74,11 +74,11 @@ class Tiling:
     rows: int = TILE_N
 
 
-def split_count(n: int, steps: int, num_sms: int, rows: int = TILE_N) -> int:
+def split_count(n: int, steps: int, num_sms: int, rows: int = TILE_N, stages: int = STAGES) -> int:
     """K ranges: the fewest (a power of two, at least 2) that give two programs per SM, each range
     keeping a full pipeline's steps."""
     splits = 2
-    while (n // rows) * splits < 2 * num_sms and steps % (2 * splits) == 0 and steps // (2 * splits) >= STAGES:
+    while (n // rows) * splits < 2 * num_sms and steps % (2 * splits) == 0 and steps // (2 * splits) >= stages:
         splits *= 2
     return splits if steps % splits == 0 and steps // splits >= 1 else 1
 
@@ -208,9 +208,10 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
     tiles = plan.shape[0] if grouped else 1
     steps = k // step
     tile_n = tiling.rows
-    splits = tiling.splits or split_count(n * tiles, steps, num_sms, tile_n)
-    if steps % splits:
-        raise ValueError(f"{splits} K ranges do not divide {steps} steps of {step}")
+    splits = tiling.splits or split_count(n * tiles, steps, num_sms, tile_n, tiling.stages)
+    if k % step or steps % splits or n % tile_n or tile_n % TILE_N:
+        raise ValueError(f"{tiling} does not cut K={k} in steps of {step} over {splits} K ranges, or N={n} in tiles "
+                         f"of {tile_n} rows (a multiple of {TILE_N}): choose cuts that divide them")
     per_split = steps // splits
     widen = values.dtype != x.dtype  # int8: to bf16 in registers; fp8 goes to the tensor cores as it is
     nibbles = offsets is not None

@@ -7,7 +7,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import threading
 import weakref
 
 import pytest
@@ -15,7 +14,6 @@ from jax._src import xla_bridge
 
 from jaxrunner import LLM, Runner, RunnerConfig, platform
 from jaxrunner.checkpoints.dummy import random_params, shape
-from jaxrunner.engine import engine as engine_module
 from jaxrunner.engine import engine_args as engine_args_module
 from jaxrunner.engine.default_model import default_model
 from jaxrunner.engine.engine_args import EngineArgs, host_tier_bytes, kv_blocks_that_fit
@@ -63,31 +61,23 @@ def test_a_start_reads_the_step_peak_an_earlier_start_measured(tmp_path, monkeyp
     assert wider.peak_step_bytes() > measured and wider.programs.compile_seconds
 
 
-def test_kv_sizing_measures_the_step_while_the_weights_load(monkeypatch):
-    """Where sizing measures the largest step (a device's memory figures, faked here on the CPU), it
-    does so in a thread of its own from the params' shapes, so its compiles run beside the weights'
-    loading: the loading below waits for the measuring to start, which would never come if sizing
-    waited for the weights. The blocks are those that fit beside the measured step."""
-    started, measured = threading.Event(), []
-    measure, load = engine_args_module.largest_step_bytes, engine_module.load_weights
+def test_a_device_sizes_the_cache_beside_the_weights_and_the_measured_step(monkeypatch):
+    """Where the allocator gives figures (faked here on the CPU), the blocks are those that fit in
+    `gpu_memory_utilization` of the device beside the bytes in use and the largest step, measured
+    once from the model's config and the sizing configuration: no params are needed for it."""
+    measured, measure = [], engine_args_module.largest_step_bytes
 
     def measuring(ctx):
-        started.set()
-        measured.append((threading.current_thread().name, measure(ctx)))
+        measured.append((ctx.config.num_blocks, measure(ctx)))
         return measured[-1][1]
-
-    def loading(*args):
-        assert started.wait(60), "KV sizing did not start before the weights loaded"
-        return load(*args)
 
     gib = 2**30
     monkeypatch.setattr(engine_args_module, "largest_step_bytes", measuring)
-    monkeypatch.setattr(engine_module, "load_weights", loading)
     monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_limit": gib, "bytes_in_use": gib // 4})
     engine = LLM("tiny", load_format="dummy", skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2,
                  max_num_batched_tokens=32, enforce_eager=True).llm_engine
-    [(thread, activations)] = measured
-    assert thread.startswith("jaxrunner-kv-sizing") and activations > 0
+    [(blocks, activations)] = measured
+    assert blocks == 1 and activations > 0
     per_block = engine_args_module.bytes_per_block(engine.model_config, engine.config)
     assert engine.config.num_blocks == kv_blocks_that_fit(gib, gib // 4, activations, 0.9, per_block)
 

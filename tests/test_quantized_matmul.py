@@ -138,7 +138,7 @@ def test_the_bf16_form_interpreted_matches_the_product(k, n, rows):
 def test_other_cuts_interpreted_give_the_same_product(tiling):
     """`Tiling`'s other cuts (for `benchmarks/matmul.py --sweep`): 128 weight rows a program in one
     K range, or steps of 64 in 4 ranges, fp8 and bf16, simulated on the CPU against the references;
-    K ranges that do not divide the steps are refused."""
+    cuts that do not divide K's steps, the steps or N's rows (or rows not whole wgmmas) are refused."""
     rng = np.random.default_rng(tiling.rows + tiling.splits)
     k, n, rows = 512, 256, 16
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
@@ -150,8 +150,9 @@ def test_other_cuts_interpreted_give_the_same_product(tiling):
     got = kernel.quantized_matmul(x, held.values, held.scales, num_sms=2, interpret=True, tiling=tiling)
     want = _reference(np.asarray(x, np.float32), np.asarray(held.values.astype(jnp.float32)), np.asarray(held.scales), True)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
-    with pytest.raises(ValueError, match="3 K ranges do not divide"):
-        kernel.dense_matmul(x, w, num_sms=2, interpret=True, tiling=kernel.Tiling(splits=3))
+    for cuts in (kernel.Tiling(splits=3), kernel.Tiling(step=384), kernel.Tiling(rows=96)):
+        with pytest.raises(ValueError, match="choose cuts that divide them"):
+            kernel.dense_matmul(x, w, num_sms=2, interpret=True, tiling=cuts)
 
 
 def _groups(rng, rows: int, experts: int, routed: int) -> jax.Array:

@@ -53,12 +53,10 @@ from jaxrunner.engine.engine_args import (
     host_tier_max_loads,
     load_draft_model,
     load_weights,
-    model_config,
     open_model,
     resolve_dtype,
     runner_config,
     scheduler_config,
-    start_kv_sizing,
     warm_up,
 )
 from jaxrunner.engine.generation_config import sampling_defaults
@@ -145,16 +143,15 @@ class LLMEngine:
         checkpoint = open_model(args)  # before the tokenizer: a bad path or file is named as such
         self.tokenizer = load_tokenizer(args)
         dtype = resolve_dtype(args)
-        model = model_config(args, checkpoint)
+        start = time.perf_counter()
+        model_config, params = jax.block_until_ready(load_weights(args, checkpoint, dtype))
+        loaded = time.perf_counter()
         # The EOS ids, the tokenizer's first: the one set the scheduler stops on and min_tokens bans.
         tokenizer_eos = () if self.tokenizer is None or self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
-        self.model_config = dataclasses.replace(model, eos_token_ids=tuple(dict.fromkeys((*tokenizer_eos, *model.eos_token_ids))))
-        activations = start_kv_sizing(args, self.model_config, dtype)  # its compiles run while the weights load
-        start = time.perf_counter()
-        _, params = jax.block_until_ready(load_weights(args, checkpoint, dtype))
-        loaded = time.perf_counter()
+        eos = tuple(dict.fromkeys((*tokenizer_eos, *model_config.eos_token_ids)))
+        self.model_config = dataclasses.replace(model_config, eos_token_ids=eos)
         draft = load_draft_model(args, self.model_config, dtype)
-        self.config = runner_config(args, self.model_config, dtype, draft, activations)
+        self.config = runner_config(args, self.model_config, dtype, draft)
         sized = time.perf_counter()
         self.runner = Runner(self.model_config, params, self.config, draft)
         with self._out_of_memory_named("making the KV cache"):

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,25 +203,9 @@ def compilation_cache_dir() -> str:
     return os.path.join(cache_dir(), "xla")
 
 
-def runner_config(args: EngineArgs, model: ModelConfig, dtype: str, draft: tuple[ModelConfig, Params] | None = None,
-                  activations: Future[int] | None = None) -> RunnerConfig:
-    """The runner's configuration, its KV cache sized (`activations`: the largest step's, measured
-    while the weights loaded by `start_kv_sizing`)."""
-    sizes = sizing_config(args, model, dtype)
-    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, sizes, draft,
-                                                                                            activations))
-    cfg = dataclasses.replace(cfg, num_host_blocks=_num_host_blocks(args, model, cfg, draft))
-    if (cfg.num_blocks - null_blocks(model.group_windows)) < (need := request_blocks(model, cfg, cfg.max_model_len)):
-        raise ValueError(
-            f"the KV cache ({cfg.num_blocks} blocks of {cfg.block_size} tokens) cannot hold one sequence of "
-            f"max_model_len={cfg.max_model_len} tokens ({need} blocks over the model's KV-cache groups); raise "
-            "num_gpu_blocks_override / gpu_memory_utilization or lower max_model_len"
-        )
-    return cfg
-
-
-def sizing_config(args: EngineArgs, model: ModelConfig, dtype: str) -> RunnerConfig:
-    """The runner's configuration before KV sizing (one block)."""
+def runner_config(
+    args: EngineArgs, model: ModelConfig, dtype: str, draft: tuple[ModelConfig, Params] | None = None
+) -> RunnerConfig:
     gpu = platform.on_gpu()
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -238,7 +221,7 @@ def sizing_config(args: EngineArgs, model: ModelConfig, dtype: str) -> RunnerCon
     else:
         max_num_seqs = args.max_num_seqs or max_num_seqs
         max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
-    return args.create_runner_config(
+    sizes = args.create_runner_config(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
@@ -246,22 +229,15 @@ def sizing_config(args: EngineArgs, model: ModelConfig, dtype: str) -> RunnerCon
         dtype=dtype,
         compilation_cache_dir=compilation_cache_dir(),
     )
-
-
-def start_kv_sizing(args: EngineArgs, model: ModelConfig, dtype: str) -> Future[int] | None:
-    """The largest step's activation bytes (`runner.largest_step_bytes`), measured in a thread of
-    its own: its programs are made from the params' shapes, so their compiles run while the
-    weights load. None where sizing measures nothing (a CPU; num_gpu_blocks_override) or needs the
-    weights first (a draft model's config comes with them)."""
-    spec = args.speculative()
-    sizes = sizing_config(args, model, dtype)
-    device = sizes.data_parallel_rank * sizes.tensor_parallel_size
-    if args.num_gpu_blocks_override or (spec.enabled and spec.method == "draft_model") or not platform.memory_stats(device):
-        return None
-    pool = ThreadPoolExecutor(1, thread_name_prefix="jaxrunner-kv-sizing")
-    measured = pool.submit(largest_step_bytes, runner_context(model, sizes, dtype))
-    pool.shutdown(wait=False)  # its thread ends with its one task
-    return measured
+    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, sizes, draft))
+    cfg = dataclasses.replace(cfg, num_host_blocks=_num_host_blocks(args, model, cfg, draft))
+    if (cfg.num_blocks - null_blocks(model.group_windows)) < (need := request_blocks(model, cfg, max_model_len)):
+        raise ValueError(
+            f"the KV cache ({cfg.num_blocks} blocks of {cfg.block_size} tokens) cannot hold one sequence of "
+            f"max_model_len={max_model_len} tokens ({need} blocks over the model's KV-cache groups); raise "
+            "num_gpu_blocks_override / gpu_memory_utilization or lower max_model_len"
+        )
+    return cfg
 
 
 def _num_host_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig,
@@ -302,23 +278,19 @@ def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
     )
 
 
-def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None,
-                activations: Future[int] | None) -> int:
+def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None) -> int:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
-    (already loaded) and the largest step's activations (measured from its compiled executables,
-    `activations` if it was measured while the weights loaded) are set aside. On CPU: enough for
-    every sequence at full length, within CPU_KV_CACHE_BYTES (but always room for one sequence at
-    full length)."""
-    device = cfg.data_parallel_rank * cfg.tensor_parallel_size  # its first
+    (already loaded) and the largest step's activations (`runner.largest_step_bytes`: measured from
+    its compiled executables, made from the params' shapes) are set aside. On CPU: enough for every
+    sequence at full length, within CPU_KV_CACHE_BYTES (but always room for one sequence at full
+    length)."""
+    tp = cfg.tensor_parallel_size
+    stats = platform.memory_stats(cfg.data_parallel_rank * tp)  # its first
     per_block = bytes_per_block(model, cfg, draft[0] if draft else None)  # on each device
-    if not platform.memory_stats(device):
+    if not stats:
         one = request_blocks(model, cfg, cfg.max_model_len)
         return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block))
-    if activations is None:
-        activations = largest_step_bytes(runner_context(model, cfg, cfg.dtype, draft[0] if draft else None))
-    else:
-        activations = activations.result()
-    stats = platform.memory_stats(device)  # once the sizing compiles are done: their autotuning's buffers let go
+    activations = largest_step_bytes(runner_context(model, cfg, cfg.dtype, draft[0] if draft else None))
     copies = host_tier_bytes(args, cfg, per_block)
     in_use = stats["bytes_in_use"] + lora_bytes(model, cfg)  # the adapter slots come after sizing
     blocks = kv_blocks_that_fit(stats["bytes_limit"], in_use, activations + copies, args.gpu_memory_utilization,
@@ -361,24 +333,18 @@ def open_model(args: EngineArgs) -> Checkpoint | None:
     return open_checkpoint(args.model) if args.model is not None and args.load_format == "auto" else None
 
 
-def model_config(args: EngineArgs, checkpoint: Checkpoint | None) -> ModelConfig:
-    """The config of the model `load_weights` loads, before its weights load."""
-    if checkpoint is not None:
-        return held_config(checkpoint.config, args.quantization)
-    return held_config(default_model_config() if args.model is None else dummy_config(args.model), args.quantization)
-
-
 def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) -> tuple[ModelConfig, Params]:
     """The model's config and weights (the built-in tiny model, the checkpoint, or random weights),
     held in `args.quantization`'s format."""
-    config = model_config(args, checkpoint)
     if checkpoint is not None:
-        return config, checkpoint.load(dtype, config)
+        held = held_config(checkpoint.config, args.quantization)
+        return held, checkpoint.load(dtype, held)
     if args.model is None:
         return held_as(*default_model(dtype), args.quantization)
     # Random weights are drawn as they are held, a layer at a time. Drawn dense and quantized after,
     # the dense ones, freed, left the device's pool in pieces too small for the KV cache's arrays
     # (docs/benchmarks.md, fortieth session).
+    config = held_config(dummy_config(args.model), args.quantization)
     return config, random_params(config, dtype, args.seed)
 
 
