@@ -57,6 +57,7 @@ from jaxrunner.runner.programs import (
     WRITE_LORA,
     WRITE_TOKENS,
     Program,
+    Programs,
     Progress,
     compile_report,
     shared_programs,
@@ -366,7 +367,7 @@ class Runner:
 
     def compile_forward(self, num_tokens: int, uniform_decode: bool = False) -> jax.stages.Compiled:
         """The compiled backbone for the bucket holding `num_tokens` (its memory_analysis() proves no KV copy)."""
-        return self.programs.executable(_forward_program(self.ctx, num_tokens, uniform_decode))
+        return self.programs.executable(_forward_program(self.programs, num_tokens, uniform_decode))
 
 
 def runner_context(model_config: ModelConfig, config: RunnerConfig, dtype: str,
@@ -386,9 +387,9 @@ def largest_step_bytes(ctx: Context) -> int:
     of the largest token bucket's backbone, the fullest sampler at the largest request bucket and,
     where steps run several at a time, the largest decode loop (it holds a backbone's and a
     sampler's temporaries at once): a profiling compile that needs no cache allocated (the cache
-    is aliased, so its size changes nothing) and no params (programs are made from their shapes),
-    so KV sizing may run while the weights load; the programs compiled side by side, or the figure
-    a start with the same programs kept in the program cache."""
+    is aliased, so its size changes nothing) and no params (programs are made from their shapes);
+    the programs compiled side by side, or the figure a start with the same programs kept in the
+    program cache."""
     programs = shared_programs(ctx)
     flags, b = ctx.sampler_variants[-1], ctx.config.request_buckets[-1]
     named = dict(params=ctx.params, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags), flags=flags)
@@ -397,10 +398,11 @@ def largest_step_bytes(ctx: Context) -> int:
     else:
         sampler = programs.program(SAMPLE, token_ids=ctx.state.token_ids, **named)
     loops = programs.examples(DECODE_LOOP)[:1]  # the largest first
-    return programs.largest_temp_bytes([_forward_program(ctx, ctx.config.max_num_batched_tokens), sampler, *loops])
+    return programs.largest_temp_bytes([_forward_program(programs, ctx.config.max_num_batched_tokens), sampler, *loops])
 
 
-def _forward_program(ctx: Context, num_tokens: int, uniform_decode: bool = False) -> Program:
+def _forward_program(programs: Programs, num_tokens: int, uniform_decode: bool = False) -> Program:
+    ctx = programs.ctx
     tokens = ctx.tokens(bucket(num_tokens, ctx.config.token_buckets))
-    return shared_programs(ctx).program(FORWARD, params=ctx.params, draft_params=ctx.draft_params, lora=ctx.lora,
-                                        state=ctx.state, tokens=tokens, uniform_decode=uniform_decode)
+    return programs.program(FORWARD, params=ctx.params, draft_params=ctx.draft_params, lora=ctx.lora,
+                            state=ctx.state, tokens=tokens, uniform_decode=uniform_decode)
