@@ -9,6 +9,7 @@ is compiled and CPU compilation is slow.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -26,13 +27,14 @@ from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.checkpoints.dummy import Params, dummy_config, random_params
 from jaxrunner.checkpoints.loader import Checkpoint, held_as, held_config, open_checkpoint
-from jaxrunner.runner import bytes_per_block, largest_step_bytes, lora_bytes, runner_context
+from jaxrunner.runner import bytes_per_block, largest_step_bytes, lora_bytes, program_cache_of, runner_context
 
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 CPU_KV_CACHE_BYTES = 2**30
+KEPT_BLOCKS_SLACK = 32  # an earlier start's KV blocks are taken if they leave at most 1/32 of the fit unused
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,8 @@ def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
 def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None) -> int:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (`runner.largest_step_bytes`: measured from
-    its compiled executables, made from the params' shapes) are set aside. On CPU: enough for every
+    its compiled executables, made from the params' shapes) are set aside, or as many as the last
+    start took where they still fit (`blocks_as_before`). On CPU: enough for every
     sequence at full length, within CPU_KV_CACHE_BYTES (but always room for one sequence at full
     length)."""
     tp = cfg.tensor_parallel_size
@@ -292,13 +295,32 @@ def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: 
         return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block))
     activations = largest_step_bytes(runner_context(model, cfg, cfg.dtype, draft[0] if draft else None))
     copies = host_tier_bytes(args, cfg, per_block)
-    in_use = stats["bytes_in_use"] + lora_bytes(model, cfg)  # the adapter slots come after sizing
-    blocks = kv_blocks_that_fit(stats["bytes_limit"], in_use, activations + copies, args.gpu_memory_utilization,
-                                per_block)
+    adapters = lora_bytes(model, cfg)  # the adapter slots come after sizing
+    fit = kv_blocks_that_fit(stats["bytes_limit"], stats["bytes_in_use"] + adapters, activations + copies,
+                             args.gpu_memory_utilization, per_block)
+    sizing = (model, cfg, stats["bytes_limit"], args.gpu_memory_utilization, per_block, activations, copies, adapters)
+    blocks = blocks_as_before(cfg, sizing, fit)
     logger.info("KV cache sizing: %.2f GiB device, %.2f GiB in use (weights), %.2f GiB for the largest step's "
-                "activations, %.2f GiB for the host tier's copies: %d blocks", stats["bytes_limit"] / 2**30,
-                stats["bytes_in_use"] / 2**30, activations / 2**30, copies / 2**30, blocks)
+                "activations, %.2f GiB for the host tier's copies: %d blocks fit, %d taken", stats["bytes_limit"] / 2**30,
+                stats["bytes_in_use"] / 2**30, activations / 2**30, copies / 2**30, fit, blocks)
     return blocks
+
+
+def blocks_as_before(cfg: RunnerConfig, sizing: tuple, fit: int) -> int:
+    """The KV blocks an earlier start with the same `sizing` took, where they still fit and leave at
+    most 1/KEPT_BLOCKS_SLACK of `fit` unused; else `fit`, kept for the next start. The bytes in use
+    after loading differ a little from one start to the next (a checkpoint just converted leaves
+    other buffers than one restored), and the block count is in every program's shapes: taking the
+    same count makes the same programs, so a second start finds them in the compilation caches."""
+    cache = program_cache_of(cfg)
+    if cache is None:
+        return fit
+    key = hashlib.sha256(repr(("kv blocks", *sizing)).encode()).hexdigest()
+    earlier = cache.load_figure(key)
+    if earlier is not None and fit - fit // KEPT_BLOCKS_SLACK <= earlier <= fit:
+        return earlier
+    cache.store_figure(key, fit)
+    return fit
 
 
 def host_tier_bytes(args: EngineArgs, cfg: RunnerConfig, per_block: int) -> int:

@@ -4,6 +4,8 @@
 before the runner exists."""
 
 from jaxrunner.runner.memory import bytes_per_block, kv_cache_bytes, lora_bytes
+from jaxrunner.runner.programs import program_cache_of
 from jaxrunner.runner.runner import Runner, largest_step_bytes, runner_context
 
-__all__ = ["Runner", "bytes_per_block", "kv_cache_bytes", "largest_step_bytes", "lora_bytes", "runner_context"]
+__all__ = ["Runner", "bytes_per_block", "kv_cache_bytes", "largest_step_bytes", "lora_bytes", "program_cache_of",
+           "runner_context"]

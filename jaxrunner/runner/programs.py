@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from jaxrunner.config import RunnerConfig
 from jaxrunner.lora.slots import write_slot
 from jaxrunner.runner.context import PIECE_GROUPS, Context
 from jaxrunner.runner.plan import StepPlan, warmup_plans
@@ -445,6 +446,11 @@ def shared_programs(ctx: Context) -> Programs:
     `compilation_cache_dir` if it has one."""
     programs = _shared.get(ctx)
     if programs is None:
-        cache_dir = ctx.config.compilation_cache_dir
-        programs = _shared[ctx] = Programs(ctx, ProgramCache(os.path.join(cache_dir, "programs")) if cache_dir else None)
+        programs = _shared[ctx] = Programs(ctx, program_cache_of(ctx.config))
     return programs
+
+
+def program_cache_of(config: RunnerConfig) -> ProgramCache | None:
+    """The program cache in `config`'s `compilation_cache_dir`, None without one."""
+    cache_dir = config.compilation_cache_dir
+    return ProgramCache(os.path.join(cache_dir, "programs")) if cache_dir else None
