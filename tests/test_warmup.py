@@ -281,6 +281,23 @@ def test_program_cache_loads_every_program_without_lowering_and_runs_the_same(tm
     assert runs[0][2] == runs[1][2]
 
 
+def test_a_program_compiled_on_use_is_kept_in_the_program_cache_and_loaded_the_next_time(tmp_path, fresh_jax_cache):
+    """Without a warm-up (`enforce_eager`, as `jaxrunner generate` starts) a step compiles each
+    program as it first runs it, into the program cache as warm-up does: the next start loads the
+    same programs without lowering them, and runs the same."""
+    runner, _ = _runner_and_programs()
+    runs = []
+    for _ in range(2):
+        jax.clear_caches()
+        runner.programs = fresh = Programs(runner.ctx, ProgramCache(tmp_path))
+        tokens = drive(runner, [list(range(3, 8)), list(range(5, 13))], 4)
+        runs.append((fresh.compiled_on_use, fresh.loaded, fresh.lowering_seconds > 0, tokens))
+    (compiled, none_loaded, lowered, first), (again, loaded, lowered_again, second) = runs
+    assert compiled > 0 and none_loaded == 0 and lowered
+    assert again == loaded == compiled and not lowered_again
+    assert len(list(tmp_path.glob("*.jaxexe"))) == compiled and first == second
+
+
 def test_programs_jax_loaded_from_its_cache_are_not_stored(tmp_path, fresh_jax_cache):
     """An executable JAX loaded from its persistent cache, handed back again from memory for the same
     lowering, is not stored: on the CPU such a file loads but cannot run ("Function ... not found").

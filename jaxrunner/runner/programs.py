@@ -319,7 +319,8 @@ class Programs:
         if exe is None:
             if self.warm:
                 logger.warning("compiling %s while serving: no warm-up example covers it", program.key)
-            exe = self._compiled[program.key] = self._lower(program).compile()
+            self.compile_all([program])  # or loaded from the program cache, as warm-up's are
+            exe = self._compiled[program.key]
             self.compiled_on_use += 1
         return exe(*program.args)
 
