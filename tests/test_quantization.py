@@ -218,7 +218,9 @@ def test_perplexity_on_real_weights_stays_near_the_dense_models():
     assert 20 < dense < 60  # a sane model on plain English
     ratios = {fmt: score(fmt) / dense for fmt in FORMATS}
     assert abs(ratios["int4"] - 1) < 1e-4 and abs(ratios["int8"] - 1) < 1e-4, ratios
-    assert ratios["fp8"] < 1.03, ratios  # e4m3's 3 mantissa bits on weights and activations
+    # e4m3's 3 mantissa bits on weights and activations: +2.5% on one x86 CPU, +3.2% on another (an
+    # AVX2-only one), where XLA:CPU fuses the RMSNorm into the tokens' e4m3 scaling differently
+    assert ratios["fp8"] < 1.04, ratios
 
 
 def test_lora_adapters_run_on_quantized_weights():
