@@ -16,7 +16,7 @@ from jaxrunner import LLM, Runner, RunnerConfig, platform
 from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.engine import engine_args as engine_args_module
 from jaxrunner.engine.default_model import default_model
-from jaxrunner.engine.engine_args import EngineArgs, blocks_as_before, host_tier_bytes, kv_blocks_that_fit
+from jaxrunner.engine.engine_args import KV_BLOCKS_JITTER, EngineArgs, blocks_as_before, host_tier_bytes, kv_blocks_that_fit
 from jaxrunner.engine.host_tier import max_loads
 from jaxrunner.runner import programs as programs_module
 from jaxrunner.runner.programs import DECODE_LOOP
@@ -79,29 +79,34 @@ def test_a_device_sizes_the_cache_beside_the_weights_and_the_measured_step(monke
     [(blocks, activations)] = measured
     assert blocks == 1 and activations > 0
     per_block = engine_args_module.bytes_per_block(engine.model_config, engine.config)
+    fit = kv_blocks_that_fit(gib, gib // 4, activations, 0.9, per_block)
     blocks = engine.config.num_blocks
-    assert blocks == kv_blocks_that_fit(gib, gib // 4, activations, 0.9, per_block)
-    # The next start finds a little less in use: it takes the same blocks, and so the same programs.
-    less = gib // 4 - 2 * per_block
-    monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_limit": gib, "bytes_in_use": less})
+    assert fit - fit // KV_BLOCKS_JITTER <= blocks <= fit  # a little under, or an earlier start's
+    # The next starts find a little less, or a little more, in use: they take the same blocks, and
+    # so the same programs.
     sizing = dataclasses.replace(engine.config, num_blocks=1, num_host_blocks=0)
-    assert kv_blocks_that_fit(gib, less, activations, 0.9, per_block) == blocks + 2
-    assert engine_args_module._num_blocks(engine.args, engine.model_config, sizing, None) == blocks
+    for in_use in (gib // 4 + per_block, gib // 4 - 2 * per_block):
+        monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_limit": gib, "bytes_in_use": in_use})
+        assert kv_blocks_that_fit(gib, in_use, activations, 0.9, per_block) != fit
+        assert engine_args_module._num_blocks(engine.args, engine.model_config, sizing, None) == blocks
 
 
 def test_a_start_takes_the_blocks_an_earlier_start_took_while_they_fit(tmp_path):
     """The bytes in use after loading differ a little between starts, and the block count is in
-    every program's shapes: a start takes an earlier start's count where it fits and leaves at most
-    1/32 of the fit unused, and otherwise what fits, which the next start then takes."""
+    every program's shapes: a start takes 1/1024 under what fits, and a later start takes that count
+    where it fits and leaves at most 2/1024 of its fit unused; otherwise a new count, which the
+    next start then takes."""
     cfg = RunnerConfig(num_blocks=1, compilation_cache_dir=str(tmp_path))
     sizing = ("a model", cfg, 2**30)
-    assert blocks_as_before(cfg, sizing, 1000) == 1000
-    assert blocks_as_before(cfg, sizing, 1020) == 1000  # a little more room
-    assert blocks_as_before(cfg, sizing, 990) == 990  # less: the earlier count does not fit
-    assert blocks_as_before(cfg, sizing, 1000) == 990
-    assert blocks_as_before(cfg, sizing, 1030) == 1030  # more than 1/32 would be left unused
-    assert blocks_as_before(cfg, ("another model", cfg, 2**30), 1040) == 1040
-    assert blocks_as_before(dataclasses.replace(cfg, compilation_cache_dir=None), sizing, 1040) == 1040
+    assert KV_BLOCKS_JITTER == 1024
+    assert blocks_as_before(cfg, sizing, 102400) == 102300
+    assert blocks_as_before(cfg, sizing, 102350) == 102300  # a little less room
+    assert blocks_as_before(cfg, sizing, 102500) == 102300  # a little more
+    assert blocks_as_before(cfg, sizing, 102299) == 102200  # less: the earlier count does not fit
+    assert blocks_as_before(cfg, sizing, 102400) == 102200
+    assert blocks_as_before(cfg, sizing, 102700) == 102600  # more than 2/1024 would be left unused
+    assert blocks_as_before(cfg, ("another model", cfg, 2**30), 102400) == 102300
+    assert blocks_as_before(dataclasses.replace(cfg, compilation_cache_dir=None), sizing, 102400) == 102400
 
 
 def test_blocks_fit_beside_the_weights_and_the_step():

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 CPU_KV_CACHE_BYTES = 2**30
-KEPT_BLOCKS_SLACK = 32  # an earlier start's KV blocks are taken if they leave at most 1/32 of the fit unused
+KV_BLOCKS_JITTER = 1024  # starts of one sizing differ in the blocks that fit by far less than 1/1024 of them
 
 
 @dataclass(frozen=True)
@@ -283,8 +283,8 @@ def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
 def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None) -> int:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (`runner.largest_step_bytes`: measured from
-    its compiled executables, made from the params' shapes) are set aside, or as many as the last
-    start took where they still fit (`blocks_as_before`). On CPU: enough for every
+    its compiled executables, made from the params' shapes) are set aside, a little under them, or
+    as many as an earlier start took where they still fit (`blocks_as_before`). On CPU: enough for every
     sequence at full length, within CPU_KV_CACHE_BYTES (but always room for one sequence at full
     length)."""
     tp = cfg.tensor_parallel_size
@@ -308,19 +308,21 @@ def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: 
 
 def blocks_as_before(cfg: RunnerConfig, sizing: tuple, fit: int) -> int:
     """The KV blocks an earlier start with the same `sizing` took, where they still fit and leave at
-    most 1/KEPT_BLOCKS_SLACK of `fit` unused; else `fit`, kept for the next start. The bytes in use
-    after loading differ a little from one start to the next (a checkpoint just converted leaves
-    other buffers than one restored), and the block count is in every program's shapes: taking the
-    same count makes the same programs, so a second start finds them in the compilation caches."""
+    most 2/KV_BLOCKS_JITTER of `fit` unused; else 1/KV_BLOCKS_JITTER under `fit`, kept for the next
+    start (whose room may be a little less, or a little more). The bytes in use after loading differ
+    a little from one start to the next (a checkpoint just converted leaves other buffers than one
+    restored), and the block count is in every program's shapes: taking the same count makes the
+    same programs, so a later start finds them in the compilation caches."""
     cache = program_cache_of(cfg)
     if cache is None:
         return fit
     key = hashlib.sha256(repr(("kv blocks", *sizing)).encode()).hexdigest()
     earlier = cache.load_figure(key)
-    if earlier is not None and fit - fit // KEPT_BLOCKS_SLACK <= earlier <= fit:
+    if earlier is not None and fit - 2 * (fit // KV_BLOCKS_JITTER) <= earlier <= fit:
         return earlier
-    cache.store_figure(key, fit)
-    return fit
+    taken = fit - fit // KV_BLOCKS_JITTER
+    cache.store_figure(key, taken)
+    return taken
 
 
 def host_tier_bytes(args: EngineArgs, cfg: RunnerConfig, per_block: int) -> int:

@@ -125,12 +125,13 @@ class ProgramCache:
             return None
 
     def store_figure(self, key: str, value: int) -> None:
-        """Keep a number measured from executables (keyed by theirs), so that a later start need not
-        load them to read it."""
+        """Keep a number a later start would otherwise measure again or choose otherwise: one
+        measured from executables (keyed by theirs), which it then need not load, or the KV
+        blocks a start took (keyed by the sizing)."""
         self._write(f"{key}.figure", str(value).encode())
 
     def _write(self, name: str, data: bytes) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        temporary = self.directory / f"{name}.{os.getpid()}.tmp"
+        temporary = self.directory / f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"  # a step's and warm-up's
         temporary.write_bytes(data)
         os.replace(temporary, self.directory / name)  # readers never see a partial file

@@ -6,8 +6,8 @@ its static options), what it donates, `key`, which tells its executables apart a
 the arguments of the call itself, and `examples`, the calls made by the plans of synthetic schedules
 (`plan.warmup_plans`, which `plan.prepare` makes as it makes a served step's). Warm-up compiles
 exactly the examples and a call finds its executable by the same `key`, so the two cannot
-disagree; a call that no example covered compiles on first use, is counted
-(`compiled_on_use`) and logged. Adding a program kind is one `Kind` below, added to `KINDS`.
+disagree; a call that no example covered compiles on first use (or loads from the program cache),
+is counted (`compiled_on_use`) and logged. Adding a program kind is one `Kind` below, added to `KINDS`.
 
 A runner's programs depend only on its `Context` (model, runner configuration, kernels, dtype), so
 live runners with equal contexts share one `Programs` (`shared_programs`). `compile_all` lowers programs
@@ -318,7 +318,7 @@ class Programs:
         exe = self._compiled.get(program.key)
         if exe is None:
             if self.warm:
-                logger.warning("compiling %s while serving: no warm-up example covers it", program.key)
+                logger.warning("compiling (or loading) %s while serving: no warm-up example covers it", program.key)
             self.compile_all([program])  # or loaded from the program cache, as warm-up's are
             exe = self._compiled[program.key]
             self.compiled_on_use += 1
