@@ -283,10 +283,10 @@ def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
 def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None) -> int:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (`runner.largest_step_bytes`: measured from
-    its compiled executables, made from the params' shapes) are set aside, a little under them, or
-    as many as an earlier start took where they still fit (`blocks_as_before`). On CPU: enough for every
-    sequence at full length, within CPU_KV_CACHE_BYTES (but always room for one sequence at full
-    length)."""
+    its compiled executables, made from the params' shapes) are set aside: 1/KV_BLOCKS_JITTER under
+    that count, or as many as an earlier start took where they still fit (`blocks_as_before`). On
+    CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but always room for
+    one sequence at full length)."""
     tp = cfg.tensor_parallel_size
     stats = platform.memory_stats(cfg.data_parallel_rank * tp)  # its first
     per_block = bytes_per_block(model, cfg, draft[0] if draft else None)  # on each device
