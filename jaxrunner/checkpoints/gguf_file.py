@@ -1,6 +1,7 @@
 """GGUF checkpoints, llama.cpp's one-file format: the model's config, its tensors under Hugging Face
 names (each tensor's llama.cpp name is declared beside its Hugging Face one in `models.tensors`), and
-the tokenizer's metadata, read with the `gguf` package.
+the tokenizer's metadata (the header read by `gguf_header`, the blocks dequantized by the `gguf`
+package).
 
 Quantized tensors are dequantized to float32 on the host (`gguf.quants.dequantize`), so the runner
 sees an ordinary float checkpoint. llama.cpp's converter stores the Llama family's q and k
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxrunner.checkpoints.gguf_blocks import KEPT, unpack
+from jaxrunner.checkpoints.gguf_header import StoredTensor, read_header
 from jaxrunner.config import ModelConfig, WeightFormat, default_weight_format
 from jaxrunner.models.quantization import Quantized
 from jaxrunner.models.tensors import LM_HEAD, QUANTIZED, each_tensor, layer_tensors
@@ -61,7 +63,7 @@ class GGUFFile:
     path: str
     architecture: str  # GGUF's name: llama, qwen2, qwen3, qwen3moe, gemma3
     metadata: dict  # key -> value, arrays as lists
-    stored: dict  # llama.cpp's name -> gguf.ReaderTensor
+    stored: dict[str, StoredTensor]  # by llama.cpp's name
 
     def hf_config(self):
         """The model's config as the `transformers` config class of its family."""
@@ -118,7 +120,7 @@ class GGUFFile:
 
     @functools.cached_property
     def tensors(self) -> dict:
-        """The model's tensors that the file holds: Hugging Face name -> (gguf.ReaderTensor, the
+        """The model's tensors that the file holds: Hugging Face name -> (its `StoredTensor`, the
         expert's index in its stack or None)."""
         tensors = {}
         for i, t in each_tensor(self.config):
@@ -211,22 +213,19 @@ def _held(qtype, fmt: str, k: int) -> WeightFormat:
 
 def open_gguf(path: str) -> GGUFFile:
     """Read a GGUF file's metadata and tensor directory (the weights stay on disk until `read`)."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(path)
-    except (OSError, ValueError, IndexError) as e:
+        metadata, tensors = read_header(path)
+    except (OSError, ValueError) as e:
         raise ValueError(f"cannot read the GGUF file {path!r}: {e}") from None
-    metadata = {name: field.contents() for name, field in reader.fields.items()}
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"GGUF file {path!r} holds a {arch!r} model; jaxrunner reads GGUF files of {', '.join(ARCHITECTURES)}"
         )
-    for tensor in reader.tensors:
+    for tensor in tensors:
         if tensor.name in _UNSUPPORTED_TENSORS:
             raise ValueError(f"GGUF file {path!r} uses {_UNSUPPORTED_TENSORS[tensor.name]}, which jaxrunner does not support")
-    file = GGUFFile(path, arch, metadata, {tensor.name: tensor for tensor in reader.tensors})
+    file = GGUFFile(path, arch, metadata, {tensor.name: tensor for tensor in tensors})
     _check_types(path, [tensor for tensor, _ in file.tensors.values()])
     return file
 
