@@ -2,23 +2,29 @@
 program compiled ahead of time. Run it twice: the second run reads JAX's persistent compilation
 cache (~/.cache/jaxrunner/xla), so it gives the cached figure.
 
-    PYTHONPATH=$PWD python benchmarks/startup.py --shape llama3-8b [--num-scheduler-steps 8] [--compile-in-background]
+    PYTHONPATH=$PWD python benchmarks/startup.py --shape llama3-8b [--num-scheduler-steps 8] [--compile-in-background] [--time-first-runs]
 
 With --compile-in-background the engine starts on the largest buckets' programs; the figure beside
-its start is when the warm-up thread has compiled the rest (`join_warmup`).
+its start is when the warm-up thread has compiled the rest (`join_warmup`). With --time-first-runs
+each program's first run is waited for and timed (`first_run_seconds_by_kind`: programs, seconds,
+the longest; and the slowest programs), which serialises the first runs.
 Writes $OUT/startup_{shape}_{n}.json when OUT is set (n counts the runs already written).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import json
 import logging
 import os
 import time
 
+import jax
+
 from jaxrunner.engine import LLM
+from jaxrunner.runner import programs as runner_programs
 from jaxrunner.checkpoints.dummy import SHAPES
 
 
@@ -28,7 +34,9 @@ def main() -> None:
     parser.add_argument("--num-scheduler-steps", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--compile-in-background", action="store_true")
+    parser.add_argument("--time-first-runs", action="store_true")
     args = parser.parse_args()
+    first_runs = time_first_runs() if args.time_first_runs else {}
     logging.basicConfig(level=logging.INFO)
     start = time.perf_counter()
     llm = LLM(args.shape, load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
@@ -38,11 +46,37 @@ def main() -> None:
     if args.compile_in_background:
         llm.llm_engine.runner.join_warmup()
         result["every_program_ready_s"] = round(time.perf_counter() - start, 2)
+    if first_runs:
+        by_kind = collections.defaultdict(list)
+        for key, seconds in first_runs.items():
+            by_kind[key[0]].append(seconds)
+        result["first_run_seconds_by_kind"] = {kind: [len(s), round(sum(s), 3), round(max(s), 3)]
+                                               for kind, s in by_kind.items()}
+        result["slowest_first_runs"] = sorted(([round(s, 3), " ".join(map(str, key[:2]))] for key, s in first_runs.items()),
+                                              reverse=True)[:8]
     print(json.dumps(result, indent=1))
     if out := os.environ.get("OUT"):
         n = len(glob.glob(os.path.join(out, f"startup_{args.shape}_*.json")))
         with open(os.path.join(out, f"startup_{args.shape}_{n}.json"), "w") as f:
             json.dump(result, f, indent=1)
+
+
+def time_first_runs() -> dict:
+    """Each program's first run, waited for: `Programs.run` wrapped (program key -> seconds)."""
+    seen: dict = {}
+    run = runner_programs.Programs.run
+
+    def timed(self, kind, **named):
+        key = self.program(kind, **named).key
+        if key in seen:
+            return run(self, kind, **named)
+        start = time.perf_counter()
+        out = jax.block_until_ready(run(self, kind, **named))
+        seen[key] = time.perf_counter() - start
+        return out
+
+    runner_programs.Programs.run = timed
+    return seen
 
 
 if __name__ == "__main__":
