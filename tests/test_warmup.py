@@ -234,6 +234,27 @@ def _runner_and_programs() -> tuple[Runner, list]:
     return runner, runner.programs.warmup_programs()
 
 
+def test_without_warm_up_a_steps_new_programs_compile_together(monkeypatch):
+    """Without a warm-up, each step's programs not made yet are made in one `compile_all` (in
+    parallel) before the step runs them, none alone as the step first calls it: the first step's
+    row writes, forward, sampler and prompt scoring together. The tokens are a warmed-up runner's."""
+    runner, _ = _runner_and_programs()
+    prompts = [list(range(3, 3 + n)) for n in (5, 11)]
+    params = [SamplingParams(temperature=0.0, prompt_logprobs=1), SamplingParams(temperature=0.8, top_k=5, seed=1)]
+    runner.programs = Programs(runner.ctx)
+    runner.warmup()
+    warmed = drive(runner, prompts, 5, params=params)
+    runner.programs = fresh = Programs(runner.ctx)
+    ahead, every, compile_for_step, compile_all = [], [], fresh.compile_for_step, fresh.compile_all
+    monkeypatch.setattr(fresh, "compile_for_step", lambda programs: ahead.append(
+        [p.key[0] for p in programs if p.key not in fresh._compiled]) or compile_for_step(programs))
+    monkeypatch.setattr(fresh, "compile_all", lambda programs, **kw: every.append(len(programs)) or compile_all(programs, **kw))
+    assert drive(runner, prompts, 5, params=params) == warmed
+    made = [kinds for kinds in ahead if kinds]
+    assert {"write_blocks", "forward", "sample", "prompt_logprobs"} <= set(made[0])
+    assert every == [len(kinds) for kinds in made] and fresh.compiled_on_use == sum(every) == len(fresh._compiled)
+
+
 def test_a_samplers_program_is_the_same_whatever_the_kv_cache_size():
     """The sampler takes the state's token rows, not its KV pages: its program-cache key does not
     change with the cache's size (KV sizing's sampler is then the sized runner's, and another

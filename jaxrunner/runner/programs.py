@@ -324,6 +324,14 @@ class Programs:
             self.compiled_on_use += 1
         return exe(*program.args)
 
+    def compile_for_step(self, programs: Sequence[Program]) -> None:
+        """Without a warm-up, a step's programs not made yet, made together before the step runs
+        them: `compile_all` compiles them in parallel where `run`, making each as the step first
+        calls it, would take the sum of their compiles. Counted as compiled on use."""
+        missing = [p for p in programs if p.key not in self._compiled]
+        if missing:
+            self.compiled_on_use += self.compile_all(missing)
+
     def executable(self, program: Program) -> jax.stages.Compiled:
         """The executable, compiled now if needed (not counted: for inspection, e.g. memory_analysis)."""
         if program.key not in self._compiled:

@@ -178,6 +178,8 @@ class Runner:
         if plan is None:
             self._forwarded = PendingOutput([], {}, {}, None, {})
             return state
+        if not self.programs.warm:
+            self.programs.compile_for_step(self._step_programs(plan))
         state = self._write_rows(state, plan)
         if sched.num_steps > 1:
             out, state = self._decode(state, plan)
@@ -229,6 +231,17 @@ class Runner:
         otherwise queue behind them."""
         if self.host_kv is not None:
             self.host_kv.start_copies()
+
+    def _step_programs(self, plan: StepPlan) -> list[Program]:
+        """The programs a step of `plan` calls, as `execute_model` and `sample_tokens` call them
+        (warm-up's examples of that one plan): its rows' writes, then a multi-step decode's loop, or
+        a single step's forward, sampler and prompt scoring. A multi-step decode that runs its rounds
+        one by one, and an adapter's slot write, are left to their first call."""
+        if plan.sched.num_steps > 1:
+            kinds = [DECODE_LOOP] if self.ctx.loops(plan.flags) else []
+        else:
+            kinds = [FORWARD, SAMPLE, SPEC_SAMPLE] + [PROMPT_LOGPROBS] * bool(plan.scoring)  # a sampler's kind yields where it runs
+        return [p for kind in (WRITE_BLOCKS, WRITE_TOKENS, *kinds) for p in self.programs.examples(kind, [plan])]
 
     def _write_rows(self, state: RunnerState, plan: StepPlan) -> RunnerState:
         """Load the step's adapters into their slots, and its changed rows into the device tables."""
