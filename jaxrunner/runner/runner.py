@@ -50,6 +50,7 @@ from jaxrunner.runner.plan import StepPlan, bucket_tiers, prepare, warmup_schedu
 from jaxrunner.runner.programs import (
     DECODE_LOOP,
     FORWARD,
+    KINDS,
     PROMPT_LOGPROBS,
     SAMPLE,
     SPEC_SAMPLE,
@@ -234,14 +235,16 @@ class Runner:
 
     def _step_programs(self, plan: StepPlan) -> list[Program]:
         """The programs a step of `plan` calls, as `execute_model` and `sample_tokens` call them
-        (warm-up's examples of that one plan): its rows' writes, then a multi-step decode's loop, or
-        a single step's forward, sampler and prompt scoring. A multi-step decode that runs its rounds
-        one by one, and an adapter's slot write, are left to their first call."""
+        (warm-up's examples of that one plan), the slowest compiles first (`KINDS`' order): a
+        multi-step decode's loop, or a single step's forward, sampler and prompt scoring; then its
+        rows' writes. A multi-step decode that runs its rounds one by one, an adapter's slot write
+        and the host tier's copies are left to their first call."""
         if plan.sched.num_steps > 1:
-            kinds = [DECODE_LOOP] if self.ctx.loops(plan.flags) else []
-        else:
-            kinds = [FORWARD, SAMPLE, SPEC_SAMPLE] + [PROMPT_LOGPROBS] * bool(plan.scoring)  # a sampler's kind yields where it runs
-        return [p for kind in (WRITE_BLOCKS, WRITE_TOKENS, *kinds) for p in self.programs.examples(kind, [plan])]
+            called = {DECODE_LOOP} if self.ctx.loops(plan.flags) else set()
+        else:  # a sampler's kind has an example only where it runs (with drafts or without)
+            called = {FORWARD, SAMPLE, SPEC_SAMPLE} | ({PROMPT_LOGPROBS} if plan.scoring else set())
+        kinds = [kind for kind in KINDS if kind in called | {WRITE_BLOCKS, WRITE_TOKENS}]
+        return [p for kind in kinds for p in self.programs.examples(kind, [plan])]
 
     def _write_rows(self, state: RunnerState, plan: StepPlan) -> RunnerState:
         """Load the step's adapters into their slots, and its changed rows into the device tables."""
