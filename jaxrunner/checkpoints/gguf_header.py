@@ -3,8 +3,8 @@
 `gguf.GGUFReader` makes a numpy view for every element of an array field, and a tokenizer's
 vocabulary and merges are arrays of tens of thousands of strings (docs/benchmarks.md has the
 times). The layout is llama.cpp's (versions 2 and 3, little-endian); the constants (value and block
-types, block sizes) are the `gguf` package's. Each tensor's data is a view of the map shaped as `GGUFReader` shapes it: the
-dimensions in numpy's order, and a block type's as rows of bytes.
+types, block sizes) are the `gguf` package's. Each tensor's data is a view of the map shaped as
+`GGUFReader` shapes it: the dimensions in numpy's order, and a block type's as rows of bytes.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def read_header(path: str) -> tuple[dict, list[StoredTensor]]:
             nbytes = count * dtype.itemsize
         else:
             block, block_bytes = GGML_QUANT_SIZES[kind]
-            dtype, nbytes, numpy_dims = np.dtype(np.uint8), count // block * block_bytes, quant_shape_to_byte_shape(numpy_dims, kind)
+            dtype, nbytes = np.dtype(np.uint8), count // block * block_bytes
+            numpy_dims = quant_shape_to_byte_shape(numpy_dims, kind)
         first = start + offset
         if first + nbytes > buffer.size:
             raise ValueError(f"tensor {name!r} runs past the file's end (a truncated file?)")

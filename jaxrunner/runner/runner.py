@@ -239,12 +239,12 @@ class Runner:
         multi-step decode's loop, or a single step's forward, sampler and prompt scoring; then its
         rows' writes. A multi-step decode that runs its rounds one by one, an adapter's slot write
         and the host tier's copies are left to their first call."""
+        called = {WRITE_BLOCKS, WRITE_TOKENS}
         if plan.sched.num_steps > 1:
-            called = {DECODE_LOOP} if self.ctx.loops(plan.flags) else set()
+            called |= {DECODE_LOOP} if self.ctx.loops(plan.flags) else set()
         else:  # a sampler's kind has an example only where it runs (with drafts or without)
-            called = {FORWARD, SAMPLE, SPEC_SAMPLE} | ({PROMPT_LOGPROBS} if plan.scoring else set())
-        kinds = [kind for kind in KINDS if kind in called | {WRITE_BLOCKS, WRITE_TOKENS}]
-        return [p for kind in kinds for p in self.programs.examples(kind, [plan])]
+            called |= {FORWARD, SAMPLE, SPEC_SAMPLE} | ({PROMPT_LOGPROBS} if plan.scoring else set())
+        return [p for kind in KINDS if kind in called for p in self.programs.examples(kind, [plan])]
 
     def _write_rows(self, state: RunnerState, plan: StepPlan) -> RunnerState:
         """Load the step's adapters into their slots, and its changed rows into the device tables."""
