@@ -47,6 +47,7 @@ MAX_ROWS = 64  # token rows the kernel takes; more go to XLA (compute, not bytes
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 INT4_GROUP = 32  # K rows per int4 scale and offset (llama.cpp's 4-bit blocks)
 HALF = INT4_GROUP // 2  # the bytes of a group's row, and the K rows of each nibble's wgmma
+BF16_128 = 0x4300  # 128.0's bf16 bits: OR-ed with a nibble n, the bits of 128 + n
 
 
 def supported(num_rows: int, values: jax.Array, scales: jax.Array, offsets: bool = False) -> bool:
@@ -239,7 +240,7 @@ def _partial_sums(x: jax.Array, values: jax.Array, scales: jax.Array | None, ste
                             q = v_smem[:, pl.ds(g * HALF, HALF)].astype(jnp.int16)  # Mosaic GPU shifts no 8-bit type
                             scale, offset = (r[g].astype(jnp.bfloat16)[:, None] for r in s_smem)
                             for half, nibble in enumerate((q & 15, q >> 4)):
-                                w = nibble.astype(jnp.bfloat16) * scale + offset
+                                w = (lax.bitcast_convert_type(nibble | BF16_128, jnp.bfloat16) - 128) * scale + offset
                                 plgpu.wgmma(acc, w, x_smem.at[:, pl.ds(g * INT4_GROUP + half * HALF, HALF)].T)
                         plgpu.wgmma_wait(0)
                         return
