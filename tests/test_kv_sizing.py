@@ -19,7 +19,7 @@ from jaxrunner.engine.default_model import default_model
 from jaxrunner.engine.engine_args import KV_BLOCKS_JITTER, EngineArgs, blocks_as_before, host_tier_bytes, kv_blocks_that_fit
 from jaxrunner.engine.host_tier import max_loads
 from jaxrunner.runner import programs as programs_module
-from jaxrunner.runner.programs import DECODE_LOOP
+from jaxrunner.runner.programs import DECODE_LOOP, KV_FREE_KINDS
 
 
 def test_peak_step_bytes_grows_with_the_largest_bucket():
@@ -67,8 +67,8 @@ def test_a_device_sizes_the_cache_beside_the_weights_and_the_measured_step(monke
     once from the model's config and the sizing configuration: no params are needed for it."""
     measured, measure = [], engine_args_module.largest_step_bytes
 
-    def measuring(ctx):
-        measured.append((ctx.config.num_blocks, measure(ctx)))
+    def measuring(ctx, warming_up):
+        measured.append((ctx.config.num_blocks, measure(ctx, warming_up)))
         return measured[-1][1]
 
     gib = 2**30
@@ -89,6 +89,25 @@ def test_a_device_sizes_the_cache_beside_the_weights_and_the_measured_step(monke
         monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_limit": gib, "bytes_in_use": in_use})
         assert kv_blocks_that_fit(gib, in_use, activations, 0.9, per_block) != fit
         assert engine_args_module._num_blocks(engine.args, engine.model_config, sizing, None) == blocks
+
+
+def test_sizing_compiles_the_programs_without_kv_pages_for_the_warm_up(tmp_path, monkeypatch, fresh_jax_cache):
+    """A start that warms up compiles the programs whose shapes the cache's size leaves alone (the
+    samplers, prompt scoring) beside the sizing's own: into the program cache, from which warm-up
+    loads them. Warm-up compiles only the programs that hold the KV cache."""
+    monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path))
+    monkeypatch.setattr(programs_module, "_shared", weakref.WeakValueDictionary())
+    gib = 2**30
+    monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_limit": gib, "bytes_in_use": gib // 4})
+    engine = LLM("tiny", load_format="dummy", skip_tokenizer_init=True, max_model_len=32, max_num_seqs=2,
+                 max_num_batched_tokens=16, enforce_eager=False).llm_engine
+    programs = engine.runner.programs
+    kv_free = {p.key for p in programs.warmup_programs() if p.kind in KV_FREE_KINDS}
+    assert {key[0] for key in kv_free} == {"sample", "prompt_logprobs"}
+    compiled_here = programs.compile_seconds.keys()
+    assert compiled_here and not kv_free & compiled_here
+    assert engine.startup["loaded_from_cache"] == len(kv_free) == engine.startup["programs"] - len(compiled_here)
+    assert {key[0] for key in compiled_here} == {"forward", "write_blocks", "write_tokens"}
 
 
 def test_a_start_takes_the_blocks_an_earlier_start_took_while_they_fit(tmp_path):

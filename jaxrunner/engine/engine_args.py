@@ -284,7 +284,8 @@ def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: 
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (`runner.largest_step_bytes`: measured from
     its compiled executables, made from the params' shapes) are set aside: 1/KV_BLOCKS_JITTER under
-    that count, or as many as an earlier start took where they still fit (`blocks_as_before`). On
+    that count, or as many as an earlier start took where they still fit (`blocks_as_before`); a
+    start that warms up compiles its programs without KV pages meanwhile (`largest_step_bytes`). On
     CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but always room for
     one sequence at full length)."""
     tp = cfg.tensor_parallel_size
@@ -293,7 +294,8 @@ def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: 
     if not stats:
         one = request_blocks(model, cfg, cfg.max_model_len)
         return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block))
-    activations = largest_step_bytes(runner_context(model, cfg, cfg.dtype, draft[0] if draft else None))
+    ctx = runner_context(model, cfg, cfg.dtype, draft[0] if draft else None)
+    activations = largest_step_bytes(ctx, warm_up(args) and not args.compile_in_background)
     copies = host_tier_bytes(args, cfg, per_block)
     adapters = lora_bytes(model, cfg)  # the adapter slots come after sizing
     fit = kv_blocks_that_fit(stats["bytes_limit"], stats["bytes_in_use"] + adapters, activations + copies,

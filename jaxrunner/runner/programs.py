@@ -222,6 +222,8 @@ SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks
 # Whole-model programs first: they compile slowest, so they reach the compile pool first.
 KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, WRITE_TOKENS, PROMPT_LOGPROBS, WRITE_LORA,
          GATHER_BLOCKS, STACK_PIECES, SCATTER_BLOCKS)
+# Kinds that take no KV pages: their programs are the same whatever the cache's size.
+KV_FREE_KINDS = (SAMPLE, PROMPT_LOGPROBS)
 
 
 def tuning_order(programs: Sequence[Program]) -> dict[Hashable, set[Hashable]]:
@@ -391,14 +393,15 @@ class Programs:
                 release()
         return sum(key in self._compiled for key in todo)
 
-    def largest_temp_bytes(self, programs: Sequence[Program]) -> int:
+    def largest_temp_bytes(self, programs: Sequence[Program], alongside: Sequence[Program] = ()) -> int:
         """The largest temporary device memory of `programs` (their executables' `memory_analysis`).
         With a program cache, the figure is kept beside the executables, so a start that finds it
-        loads none of them for it."""
+        loads none of them for it; and `alongside` compile in the same pool, into the cache, for a
+        later warm-up to load: the sizing compiles leave most of the machine's cores idle."""
         key = hashlib.sha256(" ".join(map(self._cache_key, programs)).encode()).hexdigest() if self._cache else None
         if key is not None and (figure := self._cache.load_figure(key)) is not None:
             return figure
-        self.compile_all(programs)
+        self.compile_all([*programs, *(alongside if self._cache else ())])
         figure = max(self._compiled[p.key].memory_analysis().temp_size_in_bytes for p in programs)
         if key is not None:
             self._cache.store_figure(key, figure)

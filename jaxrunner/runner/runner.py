@@ -51,6 +51,7 @@ from jaxrunner.runner.programs import (
     DECODE_LOOP,
     FORWARD,
     KINDS,
+    KV_FREE_KINDS,
     PROMPT_LOGPROBS,
     SAMPLE,
     SPEC_SAMPLE,
@@ -398,14 +399,16 @@ def runner_context(model_config: ModelConfig, config: RunnerConfig, dtype: str,
     return Context(model, config, Kernels.choose(config.kernels, config.batch_invariant), dtype, draft_model, mesh)
 
 
-def largest_step_bytes(ctx: Context) -> int:
+def largest_step_bytes(ctx: Context, warming_up: bool = False) -> int:
     """Temporary device memory of the largest step of `ctx`'s runner, from the compiled executables
     of the largest token bucket's backbone, the fullest sampler at the largest request bucket and,
     where steps run several at a time, the largest decode loop (it holds a backbone's and a
     sampler's temporaries at once): a profiling compile that needs no cache allocated (the cache
     is aliased, so its size changes nothing) and no params (programs are made from their shapes);
     the programs compiled side by side, or the figure a start with the same programs kept in the
-    program cache."""
+    program cache. `warming_up`: the runner sized so will compile every program: those of
+    `KV_FREE_KINDS`, the same whatever the cache's size, compile beside the sizing ones (into the
+    program cache, where its warm-up finds them) rather than after them."""
     programs = shared_programs(ctx)
     flags, b = ctx.sampler_variants[-1], ctx.config.request_buckets[-1]
     named = dict(params=ctx.params, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags), flags=flags)
@@ -414,7 +417,9 @@ def largest_step_bytes(ctx: Context) -> int:
     else:
         sampler = programs.program(SAMPLE, token_ids=ctx.state.token_ids, **named)
     loops = programs.examples(DECODE_LOOP)[:1]  # the largest first
-    return programs.largest_temp_bytes([_forward_program(programs, ctx.config.max_num_batched_tokens), sampler, *loops])
+    kv_free = [p for kind in KV_FREE_KINDS for p in programs.examples(kind)] if warming_up else []
+    return programs.largest_temp_bytes([_forward_program(programs, ctx.config.max_num_batched_tokens), sampler, *loops],
+                                       kv_free)
 
 
 def _forward_program(programs: Programs, num_tokens: int, uniform_decode: bool = False) -> Program:
