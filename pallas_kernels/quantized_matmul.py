@@ -47,7 +47,7 @@ MAX_ROWS = 64  # token rows the kernel takes; more go to XLA (compute, not bytes
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 INT4_GROUP = 32  # K rows per int4 scale and offset (llama.cpp's 4-bit blocks)
 HALF = INT4_GROUP // 2  # the bytes of a group's row, and the K rows of each nibble's wgmma
-BF16_128 = 0x4300  # 128.0's bf16 bits: OR-ed with a nibble n, the bits of 128 + n
+BF16_128 = 0x4300  # 128.0's bf16 bits: OR-ed with a nibble n, 128 + n exactly, one OR where a conversion takes several
 
 
 def supported(num_rows: int, values: jax.Array, scales: jax.Array, offsets: bool = False) -> bool:

@@ -19,6 +19,7 @@ from jaxrunner.engine.default_model import default_model
 from jaxrunner.engine.engine_args import KV_BLOCKS_JITTER, EngineArgs, blocks_as_before, host_tier_bytes, kv_blocks_that_fit
 from jaxrunner.engine.host_tier import max_loads
 from jaxrunner.runner import programs as programs_module
+from jaxrunner.runner.program_cache import ProgramCache
 from jaxrunner.runner.programs import DECODE_LOOP, KV_FREE_KINDS
 
 
@@ -68,6 +69,7 @@ def test_a_device_sizes_the_cache_beside_the_weights_and_the_measured_step(monke
     measured, measure = [], engine_args_module.largest_step_bytes
 
     def measuring(ctx, warming_up):
+        assert not warming_up  # no warm-up follows: nothing compiles beside the sizing
         measured.append((ctx.config.num_blocks, measure(ctx, warming_up)))
         return measured[-1][1]
 
@@ -93,10 +95,12 @@ def test_a_device_sizes_the_cache_beside_the_weights_and_the_measured_step(monke
 
 def test_sizing_compiles_the_programs_without_kv_pages_for_the_warm_up(tmp_path, monkeypatch, fresh_jax_cache):
     """A start that warms up compiles the programs whose shapes the cache's size leaves alone (the
-    samplers, prompt scoring) beside the sizing's own: into the program cache, from which warm-up
-    loads them. Warm-up compiles only the programs that hold the KV cache."""
+    samplers, prompt scoring) beside the sizing's own, and warm-up takes them: it compiles only the
+    programs that hold the KV cache. They pass in memory, not through the program cache's files:
+    nothing is stored here, as when JAX's own persistent cache gave every executable back."""
     monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path))
     monkeypatch.setattr(programs_module, "_shared", weakref.WeakValueDictionary())
+    monkeypatch.setattr(ProgramCache, "store", lambda *args: None)
     gib = 2**30
     monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_limit": gib, "bytes_in_use": gib // 4})
     engine = LLM("tiny", load_format="dummy", skip_tokenizer_init=True, max_model_len=32, max_num_seqs=2,
@@ -108,6 +112,7 @@ def test_sizing_compiles_the_programs_without_kv_pages_for_the_warm_up(tmp_path,
     assert compiled_here and not kv_free & compiled_here
     assert engine.startup["loaded_from_cache"] == len(kv_free) == engine.startup["programs"] - len(compiled_here)
     assert {key[0] for key in compiled_here} == {"forward", "write_blocks", "write_tokens"}
+    assert not programs_module._sized_alongside  # all taken
 
 
 def test_a_start_takes_the_blocks_an_earlier_start_took_while_they_fit(tmp_path):

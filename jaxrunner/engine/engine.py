@@ -151,7 +151,8 @@ class LLMEngine:
         eos = tuple(dict.fromkeys((*tokenizer_eos, *model_config.eos_token_ids)))
         self.model_config = dataclasses.replace(model_config, eos_token_ids=eos)
         draft = load_draft_model(args, self.model_config, dtype)
-        self.config = runner_config(args, self.model_config, dtype, draft)
+        self.config = runner_config(args, self.model_config, dtype, draft,
+                                    warming_up=warm_up(args) and not (defer_warm_up or args.compile_in_background))
         sized = time.perf_counter()
         self.runner = Runner(self.model_config, params, self.config, draft)
         with self._out_of_memory_named("making the KV cache"):

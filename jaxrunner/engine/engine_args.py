@@ -206,8 +206,10 @@ def compilation_cache_dir() -> str:
 
 
 def runner_config(
-    args: EngineArgs, model: ModelConfig, dtype: str, draft: tuple[ModelConfig, Params] | None = None
+    args: EngineArgs, model: ModelConfig, dtype: str, draft: tuple[ModelConfig, Params] | None = None,
+    warming_up: bool = False,
 ) -> RunnerConfig:
+    """`warming_up`: the runner will compile every program next (see `_num_blocks`)."""
     gpu = platform.on_gpu()
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -231,7 +233,7 @@ def runner_config(
         dtype=dtype,
         compilation_cache_dir=compilation_cache_dir(),
     )
-    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, sizes, draft))
+    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, sizes, draft, warming_up))
     cfg = dataclasses.replace(cfg, num_host_blocks=_num_host_blocks(args, model, cfg, draft))
     if (cfg.num_blocks - null_blocks(model.group_windows)) < (need := request_blocks(model, cfg, max_model_len)):
         raise ValueError(
@@ -280,12 +282,15 @@ def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
     )
 
 
-def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None) -> int:
+def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None,
+                warming_up: bool = False) -> int:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (`runner.largest_step_bytes`: measured from
     its compiled executables, made from the params' shapes) are set aside: 1/KV_BLOCKS_JITTER under
-    that count, or as many as an earlier start took where they still fit (`blocks_as_before`); a
-    start that warms up compiles its programs without KV pages meanwhile (`largest_step_bytes`). On
+    that count, or as many as an earlier start took where they still fit (`blocks_as_before`).
+    `warming_up`: the programs that hold no KV pages compile beside the sizing's own, for the
+    runner's warm-up (`largest_step_bytes`); False where that would keep a start from serving
+    sooner (a background warm-up, a server opening its port first). On
     CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but always room for
     one sequence at full length)."""
     tp = cfg.tensor_parallel_size
@@ -294,8 +299,7 @@ def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: 
     if not stats:
         one = request_blocks(model, cfg, cfg.max_model_len)
         return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block))
-    ctx = runner_context(model, cfg, cfg.dtype, draft[0] if draft else None)
-    activations = largest_step_bytes(ctx, warm_up(args) and not args.compile_in_background)
+    activations = largest_step_bytes(runner_context(model, cfg, cfg.dtype, draft[0] if draft else None), warming_up)
     copies = host_tier_bytes(args, cfg, per_block)
     adapters = lora_bytes(model, cfg)  # the adapter slots come after sizing
     fit = kv_blocks_that_fit(stats["bytes_limit"], stats["bytes_in_use"] + adapters, activations + copies,

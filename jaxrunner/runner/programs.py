@@ -223,7 +223,11 @@ SCATTER_BLOCKS = Kind("scatter_blocks", scatter_blocks, key=lambda a: (a["blocks
 KINDS = (FORWARD, DECODE_LOOP, SAMPLE, SPEC_SAMPLE, WRITE_BLOCKS, WRITE_TOKENS, PROMPT_LOGPROBS, WRITE_LORA,
          GATHER_BLOCKS, STACK_PIECES, SCATTER_BLOCKS)
 # Kinds that take no KV pages: their programs are the same whatever the cache's size.
-KV_FREE_KINDS = (SAMPLE, PROMPT_LOGPROBS)
+KV_FREE_KINDS = (SAMPLE, PROMPT_LOGPROBS, WRITE_LORA)
+# What KV sizing compiled for the warm-up after it (`largest_temp_bytes`' `alongside`), by program-cache
+# key, until that warm-up takes it: an executable JAX's own persistent cache gave back is not stored
+# in the program cache (`program_cache.compile_noting_cache_hits`), so the warm-up would lower it again.
+_sized_alongside: dict[str, jax.stages.Compiled] = {}
 
 
 def tuning_order(programs: Sequence[Program]) -> dict[Hashable, set[Hashable]]:
@@ -355,7 +359,7 @@ class Programs:
         workers = workers or min(len(todo), os.cpu_count() or 1) or 1
         with ThreadPoolExecutor(workers) as pool:
             if cache_keys:
-                for key, exe in zip(cache_keys, pool.map(self._cache.load, cache_keys.values())):
+                for key, exe in zip(cache_keys, pool.map(self._load, cache_keys.values())):
                     if exe is not None:
                         self._compiled[key] = exe
                         self.loaded += 1
@@ -396,16 +400,23 @@ class Programs:
     def largest_temp_bytes(self, programs: Sequence[Program], alongside: Sequence[Program] = ()) -> int:
         """The largest temporary device memory of `programs` (their executables' `memory_analysis`).
         With a program cache, the figure is kept beside the executables, so a start that finds it
-        loads none of them for it; and `alongside` compile in the same pool, into the cache, for a
-        later warm-up to load: the sizing compiles leave most of the machine's cores idle."""
+        loads none of them for it. Where it compiles them, `alongside` compile in the same pool:
+        programs that another context (the runner this figure sizes) makes under the same program-cache
+        keys, which its `compile_all` then takes from `_sized_alongside`. Without a program cache
+        there are no keys to match them by, and they are left to that context."""
         key = hashlib.sha256(" ".join(map(self._cache_key, programs)).encode()).hexdigest() if self._cache else None
         if key is not None and (figure := self._cache.load_figure(key)) is not None:
             return figure
-        self.compile_all([*programs, *(alongside if self._cache else ())])
+        alongside = alongside if self._cache else ()
+        self.compile_all([*programs, *alongside])
+        _sized_alongside.update({self._cache_key(p): self._compiled[p.key] for p in alongside if p.key in self._compiled})
         figure = max(self._compiled[p.key].memory_analysis().temp_size_in_bytes for p in programs)
         if key is not None:
             self._cache.store_figure(key, figure)
         return figure
+
+    def _load(self, cache_key: str) -> jax.stages.Compiled | None:
+        return _sized_alongside.pop(cache_key, None) or self._cache.load(cache_key)
 
     def _cache_key(self, program: Program) -> str:
         devices = tuple(d.id for d in self.ctx.mesh.devices.flat) if self.ctx.mesh is not None else ()  # a replica's own

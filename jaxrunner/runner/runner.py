@@ -406,9 +406,9 @@ def largest_step_bytes(ctx: Context, warming_up: bool = False) -> int:
     sampler's temporaries at once): a profiling compile that needs no cache allocated (the cache
     is aliased, so its size changes nothing) and no params (programs are made from their shapes);
     the programs compiled side by side, or the figure a start with the same programs kept in the
-    program cache. `warming_up`: the runner sized so will compile every program: those of
-    `KV_FREE_KINDS`, the same whatever the cache's size, compile beside the sizing ones (into the
-    program cache, where its warm-up finds them) rather than after them."""
+    program cache. `warming_up`: the runner sized so compiles every program next: those of
+    `KV_FREE_KINDS`, the same whatever the cache's size, compile beside the sizing ones, on cores
+    these few compiles leave idle, and its warm-up takes them (`Programs.largest_temp_bytes`)."""
     programs = shared_programs(ctx)
     flags, b = ctx.sampler_variants[-1], ctx.config.request_buckets[-1]
     named = dict(params=ctx.params, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags), flags=flags)
