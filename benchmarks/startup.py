@@ -2,13 +2,16 @@
 program compiled ahead of time. Run it twice: the second run reads JAX's persistent compilation
 cache (~/.cache/jaxrunner/xla), so it gives the cached figure.
 
-    PYTHONPATH=$PWD python benchmarks/startup.py --shape llama3-8b [--num-scheduler-steps 8] [--compile-in-background] [--time-first-runs]
+    PYTHONPATH=$PWD python benchmarks/startup.py --shape llama3-8b [--num-scheduler-steps 8] [--compile-in-background] [--time-first-runs] [--runs-again N]
 
 With --compile-in-background the engine starts on the largest buckets' programs; the figure beside
 its start is when the warm-up thread has compiled the rest (`join_warmup`). With --time-first-runs
-each program's first run is waited for and timed (`first_run_seconds_by_kind`: programs, seconds,
-the longest; and the slowest programs), which serialises the first runs; only a GPU start runs
-its programs before serving (`Runner.run_each_once`), so on a CPU there is nothing to time.
+every program call is waited for, which serialises the runs, and each program's first run timed
+(`first_run_seconds_by_kind`: programs, seconds, the longest; and the slowest programs); only a
+GPU start runs its programs before serving (`Runner.run_each_once`): on a CPU the start has none.
+--runs-again N then calls `run_each_once` N more times after the start: what its schedules cost
+once every program has run (`runs_again_seconds`, and with --time-first-runs every call of each
+pass by kind, `calls_by_pass`: calls, seconds, the longest), against the start's first runs.
 Writes $OUT/startup_{shape}_{n}.json when OUT is set (n counts the runs already written).
 """
 
@@ -36,8 +39,10 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--compile-in-background", action="store_true")
     parser.add_argument("--time-first-runs", action="store_true")
+    parser.add_argument("--runs-again", type=int, default=0)
     args = parser.parse_args()
-    first_runs = time_first_runs() if args.time_first_runs else {}
+    passes: list[dict] = [collections.defaultdict(list)]  # per pass of run_each_once: kind -> seconds of each call
+    first_runs = time_first_runs(passes) if args.time_first_runs else {}
     logging.basicConfig(level=logging.INFO)
     start = time.perf_counter()
     llm = LLM(args.shape, load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
@@ -47,6 +52,14 @@ def main() -> None:
     if args.compile_in_background:
         llm.llm_engine.runner.join_warmup()
         result["every_program_ready_s"] = round(time.perf_counter() - start, 2)
+    engine, again = llm.llm_engine, []
+    for _ in range(args.runs_again):
+        passes.append(collections.defaultdict(list))
+        start = time.perf_counter()
+        engine.state = jax.block_until_ready(engine.runner.run_each_once(engine.state))
+        again.append(round(time.perf_counter() - start, 3))
+    if again:
+        result["runs_again_seconds"] = again
     if first_runs:
         by_kind = collections.defaultdict(list)
         for key, seconds in first_runs.items():
@@ -55,6 +68,8 @@ def main() -> None:
                                                for kind, s in by_kind.items()}
         slowest = sorted(first_runs.items(), key=lambda item: item[1], reverse=True)[:8]
         result["slowest_first_runs"] = [[" ".join(map(str, key[:2])), round(s, 3)] for key, s in slowest]
+        result["calls_by_pass"] = [{kind: [len(s), round(sum(s), 3), round(max(s), 3)] for kind, s in calls.items()}
+                                   for calls in passes]
     print(json.dumps(result, indent=1))
     if out := os.environ.get("OUT"):
         n = len(glob.glob(os.path.join(out, f"startup_{args.shape}_*.json")))
@@ -62,18 +77,19 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
 
-def time_first_runs() -> dict:
-    """Each program's first run, waited for: `Programs.run` wrapped (program key -> seconds)."""
+def time_first_runs(passes: list[dict]) -> dict:
+    """Each program's first run, waited for: `Programs.run` wrapped (program key -> seconds). Every
+    call is waited for and its seconds added to the last of `passes` under its kind."""
     seen: dict = {}
     run = runner_programs.Programs.run
 
     def timed(self, kind, **named):
         key = self.program(kind, **named).key
-        if key in seen:
-            return run(self, kind, **named)
         start = time.perf_counter()
         out = jax.block_until_ready(run(self, kind, **named))
-        seen[key] = time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        seen.setdefault(key, seconds)
+        passes[-1][kind.name].append(seconds)
         return out
 
     runner_programs.Programs.run = timed
