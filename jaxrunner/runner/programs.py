@@ -401,9 +401,10 @@ class Programs:
         """The largest temporary device memory of `programs` (their executables' `memory_analysis`).
         With a program cache, the figure is kept beside the executables, so a start that finds it
         loads none of them for it. Where it compiles them, `alongside` compile in the same pool:
-        programs that another context (the runner this figure sizes) makes under the same program-cache
-        keys, which its `compile_all` then takes from `_sized_alongside`. Without a program cache
-        there are no keys to match them by, and they are left to that context."""
+        programs that the runner this figure sizes (a context that differs in the cache's size
+        alone) makes under the same program-cache keys, and its `compile_all` takes them from
+        `_sized_alongside`. Without a program cache there are no keys to match them by, and they are
+        left to that runner."""
         key = hashlib.sha256(" ".join(map(self._cache_key, programs)).encode()).hexdigest() if self._cache else None
         if key is not None and (figure := self._cache.load_figure(key)) is not None:
             return figure
@@ -416,7 +417,8 @@ class Programs:
         return figure
 
     def _load(self, cache_key: str) -> jax.stages.Compiled | None:
-        return _sized_alongside.pop(cache_key, None) or self._cache.load(cache_key)
+        exe = _sized_alongside.pop(cache_key, None)
+        return exe if exe is not None else self._cache.load(cache_key)
 
     def _cache_key(self, program: Program) -> str:
         devices = tuple(d.id for d in self.ctx.mesh.devices.flat) if self.ctx.mesh is not None else ()  # a replica's own
