@@ -12,7 +12,7 @@ import weakref
 import pytest
 from jax._src import xla_bridge
 
-from jaxrunner import LLM, Runner, RunnerConfig, platform
+from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams, platform
 from jaxrunner.checkpoints.dummy import random_params, shape
 from jaxrunner.engine import engine_args as engine_args_module
 from jaxrunner.engine.default_model import default_model
@@ -101,11 +101,12 @@ def test_sizing_compiles_the_programs_without_kv_pages_for_the_warm_up(tmp_path,
     monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path))
     monkeypatch.setattr(programs_module, "_shared", weakref.WeakValueDictionary())
     monkeypatch.setattr(ProgramCache, "store", lambda *args: None)
+    monkeypatch.setattr(programs_module, "_sized_alongside", {})
     gib = 2**30
     monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_limit": gib, "bytes_in_use": gib // 4})
-    engine = LLM("tiny", load_format="dummy", skip_tokenizer_init=True, max_model_len=32, max_num_seqs=2,
-                 max_num_batched_tokens=16, enforce_eager=False).llm_engine
-    programs = engine.runner.programs
+    llm = LLM("tiny", load_format="dummy", skip_tokenizer_init=True, max_model_len=32, max_num_seqs=2,
+              max_num_batched_tokens=16, enforce_eager=False)
+    engine, programs = llm.llm_engine, llm.llm_engine.runner.programs
     kv_free = {p.key for p in programs.warmup_programs() if p.kind in KV_FREE_KINDS}
     assert {key[0] for key in kv_free} == {"sample", "prompt_logprobs"}
     compiled_here = programs.compile_seconds.keys()
@@ -113,6 +114,12 @@ def test_sizing_compiles_the_programs_without_kv_pages_for_the_warm_up(tmp_path,
     assert engine.startup["loaded_from_cache"] == len(kv_free) == engine.startup["programs"] - len(compiled_here)
     assert {key[0] for key in compiled_here} == {"forward", "write_blocks", "write_tokens"}
     assert not programs_module._sized_alongside  # all taken
+    # and they run on the runner's buffers: a sampler and prompt scoring, nothing compiled on use
+    programs.asked.clear()
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=4, prompt_logprobs=1, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.prompt_logprobs
+    assert {key[0] for key in programs.asked} >= {"sample", "prompt_logprobs"} and programs.compiled_on_use == 0
 
 
 def test_a_start_takes_the_blocks_an_earlier_start_took_while_they_fit(tmp_path):

@@ -151,8 +151,9 @@ class LLMEngine:
         eos = tuple(dict.fromkeys((*tokenizer_eos, *model_config.eos_token_ids)))
         self.model_config = dataclasses.replace(model_config, eos_token_ids=eos)
         draft = load_draft_model(args, self.model_config, dtype)
+        warms_now = warm_up(args) and not defer_warm_up
         self.config = runner_config(args, self.model_config, dtype, draft,
-                                    warming_up=warm_up(args) and not (defer_warm_up or args.compile_in_background))
+                                    warming_up=warms_now and not args.compile_in_background)
         sized = time.perf_counter()
         self.runner = Runner(self.model_config, params, self.config, draft)
         with self._out_of_memory_named("making the KV cache"):
@@ -180,7 +181,7 @@ class LLMEngine:
         # exits makes it abort (SIGABRT): wait for them then, or when the engine is dropped.
         self._finalizer = weakref.finalize(self, _wait_for, self._in_flight, self.runner)
         self._thaw: Callable[[], object] = lambda: None  # what hands warm-up's frozen objects back to the collector
-        if not defer_warm_up:
+        if warms_now:
             self.warm_up()
 
     def warm_up(self) -> None:

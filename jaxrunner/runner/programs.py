@@ -266,7 +266,7 @@ class Programs:
         self.asked: set[Hashable] = set()  # every key a call asked for
         self.warm: set[Hashable] = set()  # the keys of `warmup_programs`, once `warm_up` compiled them
         self.compiled_on_use = 0
-        self.loaded = 0  # by compile_all from the program cache
+        self.loaded = 0  # by compile_all from the program cache, or handed over by KV sizing
         # spent lowering by program kind (under the GIL: what no compile thread overlaps); of it, tracing
         # the Python into a jaxpr (the rest lowers the jaxpr, its kernels included)
         self.lowering_by_kind: Counter[str] = Counter()
@@ -410,6 +410,7 @@ class Programs:
             return figure
         alongside = alongside if self._cache else ()
         self.compile_all([*programs, *alongside])
+        _sized_alongside.clear()  # a start that failed before its warm-up left its own: they go
         _sized_alongside.update({self._cache_key(p): self._compiled[p.key] for p in alongside if p.key in self._compiled})
         figure = max(self._compiled[p.key].memory_analysis().temp_size_in_bytes for p in programs)
         if key is not None:

@@ -323,7 +323,7 @@ class Runner:
             "lowering_seconds_by_kind": {kind: round(seconds, 2) for kind, seconds in (programs.lowering_by_kind - by_kind).items()},
             **compile_report({key: programs.compile_seconds[key] for key in compiled_here},
                              {key: programs.compile_ended[key] - start for key in compiled_here}),
-            "loaded_from_cache": programs.loaded - loaded,  # of `compiled`: read from the program cache
+            "loaded_from_cache": programs.loaded - loaded,  # of `compiled`: from the program cache or KV sizing
             "kv_cache_blocks": cfg.num_blocks,
             "kv_cache_tokens": cfg.num_blocks * cfg.block_size,
             "kv_cache_gib": round(kv_cache_bytes(self.model_config, cfg) / 2**30, 3),
