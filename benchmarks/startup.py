@@ -68,6 +68,7 @@ def main() -> None:
                                                for kind, s in by_kind.items()}
         slowest = sorted(first_runs.items(), key=lambda item: item[1], reverse=True)[:8]
         result["slowest_first_runs"] = [[" ".join(map(str, key[:2])), round(s, 3)] for key, s in slowest]
+    if args.time_first_runs:  # a CPU start runs nothing, but the passes after it do
         result["calls_by_pass"] = [{kind: [len(s), round(sum(s), 3), round(max(s), 3)] for kind, s in calls.items()}
                                    for calls in passes]
     print(json.dumps(result, indent=1))
