@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -21,8 +22,10 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 from driver import drive
 
-from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput
+from jaxrunner import LLM, NewRequestData, Runner, RunnerConfig, SamplingParams, SchedulerOutput, platform
 from jaxrunner.engine import engine as engine_module
+from jaxrunner.engine.engine import LLMEngine
+from jaxrunner.engine.engine_args import EngineArgs
 from jaxrunner.runner import programs as programs_table
 from jaxrunner.engine.default_model import TINY_MODEL
 from jaxrunner.checkpoints.loader import load_model
@@ -149,6 +152,30 @@ def test_each_step_program_runs_once_before_serving_and_leaves_nothing_behind(mo
         runner.run_each_once(runner.step(state, SchedulerOutput(
             [NewRequestData("r", [3, 4, 5], ([0],), 0, SamplingParams())], num_scheduled_tokens={"r": 3},
             total_num_scheduled_tokens=3))[0])
+
+
+def test_a_gpu_start_runs_each_program_once_unless_it_compiled_none(tmp_path, monkeypatch, fresh_jax_cache):
+    """After a warm-up that compiled programs, a GPU start runs each once before serving; one that
+    found them all in the program cache serves without (their first runs would cost it more than
+    they spare the first steps), as does one whose programs a runner before it made."""
+    monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path))
+    monkeypatch.setattr(programs_table, "_shared", weakref.WeakValueDictionary())
+    ran = []
+    monkeypatch.setattr(Runner, "run_each_once", lambda self, state: ran.append(self) or state)
+    args = EngineArgs("tiny", load_format="dummy", skip_tokenizer_init=True, max_model_len=32, max_num_seqs=2,
+                      max_num_batched_tokens=16, enforce_eager=False)
+    starts = []
+    for fresh_process in (True, True, False):
+        if fresh_process:  # no runner alive shares its programs
+            monkeypatch.setattr(programs_table, "_shared", weakref.WeakValueDictionary())
+        engine = LLMEngine(args, defer_warm_up=True)
+        with monkeypatch.context() as gpu:
+            gpu.setattr(platform, "on_gpu", lambda: True)
+            engine.warm_up()
+        report = engine.startup
+        starts.append((report["compiled"] - report["loaded_from_cache"], report["loaded_from_cache"], len(ran)))
+    total = report["programs"]
+    assert starts == [(total, 0, 1), (0, total, 1), (0, 0, 1)]
 
 
 def test_a_background_warm_up_steps_with_the_buckets_ready_and_never_compiles_on_a_step(monkeypatch):

@@ -186,12 +186,15 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Compile every program a step can run (`Runner.warmup`), showing the progress, then, on a
-        GPU, run each once (`Runner.run_each_once`); once.
+        GPU, run each once (`Runner.run_each_once`) unless warm-up compiled none; once.
 
         The KV cache is let go while the programs compile and made again after: XLA's autotuner
         allocates device buffers as it compiles, beyond what KV sizing set aside. The first run of a
         GPU program holds the host while its kernels load; on XLA:CPU a first run costs little more
-        than a later one, and running every program would only lengthen each start."""
+        than a later one, and running every program would only lengthen each start. A start that
+        found every program in the program cache (or made by a runner before it) serves at once:
+        its first runs would cost that start more than they spare the first steps
+        (docs/benchmarks.md)."""
         if self.warm:
             return
         del self.state
@@ -199,7 +202,7 @@ class LLMEngine:
         start = time.perf_counter()
         with self._out_of_memory_named("making the KV cache again after the compiles"):
             self.state = self.runner.init_state()
-        if platform.on_gpu():
+        if platform.on_gpu() and report["compiled"] > report["loaded_from_cache"]:
             with self._out_of_memory_named("running each program once"):
                 self.state = self.runner.run_each_once(self.state)
         self.startup = report = {**self._phases, **report, "first_runs_seconds": round(time.perf_counter() - start, 2)}
