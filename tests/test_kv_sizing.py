@@ -7,6 +7,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 import weakref
 
 import pytest
@@ -14,6 +15,7 @@ from jax._src import xla_bridge
 
 from jaxrunner import LLM, Runner, RunnerConfig, SamplingParams, platform
 from jaxrunner.checkpoints.dummy import random_params, shape
+from jaxrunner.engine import engine as engine_module
 from jaxrunner.engine import engine_args as engine_args_module
 from jaxrunner.engine.default_model import default_model
 from jaxrunner.engine.engine_args import KV_BLOCKS_JITTER, EngineArgs, blocks_as_before, host_tier_bytes, kv_blocks_that_fit
@@ -120,6 +122,45 @@ def test_sizing_compiles_the_programs_without_kv_pages_for_the_warm_up(tmp_path,
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4 and out.prompt_logprobs
     assert {key[0] for key in programs.asked} >= {"sample", "prompt_logprobs"} and programs.compiled_on_use == 0
+
+
+def test_a_start_sized_as_before_reads_its_programs_while_its_weights_load(tmp_path, monkeypatch, fresh_jax_cache):
+    """Where an earlier start of the same sizing kept its figures (the largest step's bytes, the
+    blocks it took), the runner a start will make is known before its weights load: its programs
+    are read from the program cache meanwhile, off the main thread, and its warm-up finds every
+    one made. A first start (no figures yet) reads none ahead."""
+    monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path))
+    gib = 2**30
+    monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_limit": gib, "bytes_in_use": gib // 4})
+    loading, first_read, read_while_loading = threading.Event(), threading.Event(), []
+    load_weights, read = engine_module.load_weights, ProgramCache.load
+
+    def reading(cache, key):
+        if loading.is_set():
+            read_while_loading.append(threading.current_thread() is not threading.main_thread())
+            first_read.set()
+        return read(cache, key)
+
+    def loading_weights(*args):
+        loading.set()
+        first_read.wait(timeout=60 if starts else 0)  # the second start's loading waits for a read
+        weights = load_weights(*args)
+        loading.clear()
+        return weights
+
+    monkeypatch.setattr(ProgramCache, "load", reading)
+    monkeypatch.setattr(engine_module, "load_weights", loading_weights)
+    starts = []
+    for _ in range(2):
+        monkeypatch.setattr(programs_module, "_shared", weakref.WeakValueDictionary())  # a process of its own
+        engine = LLM("tiny", load_format="dummy", skip_tokenizer_init=True, max_model_len=32, max_num_seqs=2,
+                     max_num_batched_tokens=16, enforce_eager=False).llm_engine
+        report = engine.startup
+        starts.append((engine.config, report["loaded_ahead"], report["compiled"], len(read_while_loading),
+                       all(read_while_loading)))
+    (config, none_ahead, compiled, none_read, _), (same_config, ahead, compiled_again, read_ahead, off_main) = starts
+    assert same_config == config and none_ahead == 0 and none_read == 0
+    assert compiled == ahead == report["programs"] and compiled_again == 0 and read_ahead and off_main
 
 
 def test_a_start_takes_the_blocks_an_earlier_start_took_while_they_fit(tmp_path):

@@ -36,7 +36,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import jax
@@ -50,9 +50,12 @@ from jaxrunner.engine.engine_args import (
     EngineArgs,
     compilation_cache_dir,
     conversion_dtype,
+    held_model_config,
     host_tier_max_loads,
     load_draft_model,
+    load_programs_ahead,
     load_weights,
+    open_draft_model,
     open_model,
     resolve_dtype,
     runner_config,
@@ -143,16 +146,23 @@ class LLMEngine:
         checkpoint = open_model(args)  # before the tokenizer: a bad path or file is named as such
         self.tokenizer = load_tokenizer(args)
         dtype = resolve_dtype(args)
-        start = time.perf_counter()
-        model_config, params = jax.block_until_ready(load_weights(args, checkpoint, dtype))
-        loaded = time.perf_counter()
+        model_config = held_model_config(args, checkpoint)
         # The EOS ids, the tokenizer's first: the one set the scheduler stops on and min_tokens bans.
         tokenizer_eos = () if self.tokenizer is None or self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         eos = tuple(dict.fromkeys((*tokenizer_eos, *model_config.eos_token_ids)))
         self.model_config = dataclasses.replace(model_config, eos_token_ids=eos)
-        draft = load_draft_model(args, self.model_config, dtype)
+        draft_model = open_draft_model(args, self.model_config, dtype)
+        draft_config = draft_model[0] if draft_model else None
         warms_now = warm_up(args) and not defer_warm_up
-        self.config = runner_config(args, self.model_config, dtype, draft,
+        start = time.perf_counter()
+        with ThreadPoolExecutor(1, thread_name_prefix="jaxrunner-programs-ahead") as ahead:
+            # a start like an earlier one finds its runner's programs in the program cache: read meanwhile
+            pending = ahead.submit(load_programs_ahead, args, self.model_config, dtype, draft_config) if warms_now else None
+            _, params = jax.block_until_ready(load_weights(args, checkpoint, dtype))
+            draft = load_draft_model(args, draft_model, dtype)
+            programs = pending.result() if pending else None
+        loaded = time.perf_counter()
+        self.config = runner_config(args, self.model_config, dtype, draft_config,
                                     warming_up=warms_now and not args.compile_in_background)
         sized = time.perf_counter()
         self.runner = Runner(self.model_config, params, self.config, draft)
@@ -161,10 +171,12 @@ class LLMEngine:
         self.processor = Processor(self.tokenizer, self.runner.check_sampling_params, self.config.max_model_len,
                                    self.model_config.vocab_size)
         self.startup: dict = {}  # the start-up report: seconds per phase, programs, KV cache size
-        self._phases = {"load_seconds": round(loaded - start, 2), "kv_sizing_seconds": round(sized - loaded, 2)}
+        self._phases = {"load_seconds": round(loaded - start, 2), "kv_sizing_seconds": round(sized - loaded, 2),
+                        # read while the weights loaded, and the runner's: what its warm-up then found made
+                        "loaded_ahead": programs.loaded if programs is self.runner.programs else 0}
         self.warm = not warm_up(args)  # every program a step can run compiled (or none to compile ahead)
         host_tier = HostTier(self.config.num_host_blocks, self.runner.host_kv.arrived,
-                             host_tier_max_loads(self.model_config, self.config, draft[0] if draft else None),
+                             host_tier_max_loads(self.model_config, self.config, draft_config),
                              self.runner.host_kv.buckets) if self.runner.host_kv else None
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, args.enable_prefix_caching,
                                           self.model_config.group_windows,

@@ -27,7 +27,16 @@ from jaxrunner.engine.model_files import cache_dir, local_model
 from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.checkpoints.dummy import Params, dummy_config, random_params
 from jaxrunner.checkpoints.loader import Checkpoint, held_as, held_config, open_checkpoint
-from jaxrunner.runner import bytes_per_block, largest_step_bytes, lora_bytes, program_cache_of, runner_context
+from jaxrunner.runner import (
+    bytes_per_block,
+    largest_step_bytes,
+    lora_bytes,
+    program_cache_of,
+    load_programs,
+    runner_context,
+    stored_step_bytes,
+)
+from jaxrunner.runner.programs import Programs
 
 logger = logging.getLogger(__name__)
 
@@ -205,11 +214,32 @@ def compilation_cache_dir() -> str:
     return os.path.join(cache_dir(), "xla")
 
 
-def runner_config(
-    args: EngineArgs, model: ModelConfig, dtype: str, draft: tuple[ModelConfig, Params] | None = None,
-    warming_up: bool = False,
-) -> RunnerConfig:
-    """`warming_up`: the runner will compile every program next (see `_num_blocks`)."""
+def runner_config(args: EngineArgs, model: ModelConfig, dtype: str, draft: ModelConfig | None = None,
+                  warming_up: bool = False) -> RunnerConfig:
+    """`draft`: the draft model's config, where there is one. `warming_up`: the runner will compile
+    every program next (see `_num_blocks`)."""
+    sizes = _sizes(args, model, dtype)
+    blocks = args.num_gpu_blocks_override or _num_blocks(args, model, sizes, draft, warming_up)
+    return _with_blocks(args, model, sizes, draft, blocks)
+
+
+def _config_ahead(args: EngineArgs, model: ModelConfig, dtype: str, draft: ModelConfig | None) -> RunnerConfig | None:
+    """The configuration `runner_config` will most likely give, known before the weights load: where
+    the KV cache's size does not depend on the memory they leave (a CPU, num_gpu_blocks_override),
+    or as an earlier start of the same sizing took it (`blocks_as_before`); else None."""
+    sizes = _sizes(args, model, dtype)
+    blocks = args.num_gpu_blocks_override
+    if not blocks:
+        stats = platform.memory_stats(sizes.data_parallel_rank * sizes.tensor_parallel_size)
+        if not stats:
+            blocks = _num_blocks(args, model, sizes, draft)
+        elif (activations := stored_step_bytes(runner_context(model, sizes, dtype, draft))) is not None:
+            blocks = blocks_taken_before(sizes, _sizing(args, model, sizes, draft, stats["bytes_limit"], activations))
+    return _with_blocks(args, model, sizes, draft, blocks) if blocks else None
+
+
+def _sizes(args: EngineArgs, model: ModelConfig, dtype: str) -> RunnerConfig:
+    """The runner's configuration with a KV cache of one block, for sizing it."""
     gpu = platform.on_gpu()
     max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -225,7 +255,7 @@ def runner_config(
     else:
         max_num_seqs = args.max_num_seqs or max_num_seqs
         max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
-    sizes = args.create_runner_config(
+    return args.create_runner_config(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
@@ -233,19 +263,23 @@ def runner_config(
         dtype=dtype,
         compilation_cache_dir=compilation_cache_dir(),
     )
-    cfg = dataclasses.replace(sizes, num_blocks=args.num_gpu_blocks_override or _num_blocks(args, model, sizes, draft, warming_up))
+
+
+def _with_blocks(args: EngineArgs, model: ModelConfig, sizes: RunnerConfig, draft: ModelConfig | None,
+                 blocks: int) -> RunnerConfig:
+    """`sizes` with a KV cache of `blocks` and the host tier's, checked to hold a sequence."""
+    cfg = dataclasses.replace(sizes, num_blocks=blocks)
     cfg = dataclasses.replace(cfg, num_host_blocks=_num_host_blocks(args, model, cfg, draft))
-    if (cfg.num_blocks - null_blocks(model.group_windows)) < (need := request_blocks(model, cfg, max_model_len)):
+    if (cfg.num_blocks - null_blocks(model.group_windows)) < (need := request_blocks(model, cfg, cfg.max_model_len)):
         raise ValueError(
             f"the KV cache ({cfg.num_blocks} blocks of {cfg.block_size} tokens) cannot hold one sequence of "
-            f"max_model_len={max_model_len} tokens ({need} blocks over the model's KV-cache groups); raise "
+            f"max_model_len={cfg.max_model_len} tokens ({need} blocks over the model's KV-cache groups); raise "
             "num_gpu_blocks_override / gpu_memory_utilization or lower max_model_len"
         )
     return cfg
 
 
-def _num_host_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig,
-                     draft: tuple[ModelConfig, Params] | None) -> int:
+def _num_host_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None) -> int:
     """The host tier's blocks in kv_offloading_size GiB (each data-parallel replica's own): whole
     blocks, every device's share of them."""
     if args.kv_offloading_size is None:
@@ -255,7 +289,7 @@ def _num_host_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig,
         replicas = f" times data_parallel_size={args.data_parallel_size}" if args.data_parallel_size > 1 else ""
         raise ValueError(f"kv_offloading_size={args.kv_offloading_size} GiB{replicas} is more than this machine's "
                          f"{memory / 2**30:.1f} GiB of memory; lower it")
-    per_block = bytes_per_block(model, cfg, draft[0] if draft else None) * cfg.tensor_parallel_size
+    per_block = bytes_per_block(model, cfg, draft) * cfg.tensor_parallel_size
     num = int(args.kv_offloading_size * 2**30) // per_block
     if num < 1:
         raise ValueError(f"kv_offloading_size={args.kv_offloading_size} GiB holds no KV block of {per_block} bytes; "
@@ -282,7 +316,7 @@ def scheduler_config(cfg: RunnerConfig, vocab_size: int) -> SchedulerConfig:
     )
 
 
-def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: tuple[ModelConfig, Params] | None,
+def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None,
                 warming_up: bool = False) -> int:
     """On GPU, as vLLM: the blocks that fit in `gpu_memory_utilization` of the device once the weights
     (already loaded) and the largest step's activations (`runner.largest_step_bytes`: measured from
@@ -293,23 +327,31 @@ def _num_blocks(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: 
     sooner (a background warm-up, a server opening its port first). On
     CPU: enough for every sequence at full length, within CPU_KV_CACHE_BYTES (but always room for
     one sequence at full length)."""
-    tp = cfg.tensor_parallel_size
-    stats = platform.memory_stats(cfg.data_parallel_rank * tp)  # its first
-    per_block = bytes_per_block(model, cfg, draft[0] if draft else None)  # on each device
+    stats = platform.memory_stats(cfg.data_parallel_rank * cfg.tensor_parallel_size)  # its first
+    per_block = bytes_per_block(model, cfg, draft)  # on each device
     if not stats:
         one = request_blocks(model, cfg, cfg.max_model_len)
         return null_blocks(model.group_windows) + max(one, min(cfg.max_num_seqs * one, CPU_KV_CACHE_BYTES // per_block))
-    activations = largest_step_bytes(runner_context(model, cfg, cfg.dtype, draft[0] if draft else None), warming_up)
-    copies = host_tier_bytes(args, cfg, per_block)
-    adapters = lora_bytes(model, cfg)  # the adapter slots come after sizing
+    activations = largest_step_bytes(runner_context(model, cfg, cfg.dtype, draft), warming_up)
+    sizing = _sizing(args, model, cfg, draft, stats["bytes_limit"], activations)
+    *_, copies, adapters = sizing
     fit = kv_blocks_that_fit(stats["bytes_limit"], stats["bytes_in_use"] + adapters, activations + copies,
                              args.gpu_memory_utilization, per_block)
-    sizing = (model, cfg, stats["bytes_limit"], args.gpu_memory_utilization, per_block, activations, copies, adapters)
     blocks = blocks_as_before(cfg, sizing, fit)
     logger.info("KV cache sizing: %.2f GiB device, %.2f GiB in use (weights), %.2f GiB for the largest step's "
                 "activations, %.2f GiB for the host tier's copies: %d blocks fit, %d taken", stats["bytes_limit"] / 2**30,
                 stats["bytes_in_use"] / 2**30, activations / 2**30, copies / 2**30, fit, blocks)
     return blocks
+
+
+def _sizing(args: EngineArgs, model: ModelConfig, cfg: RunnerConfig, draft: ModelConfig | None, limit: int,
+            activations: int) -> tuple:
+    """What sets the KV cache's size besides the bytes in use: the key of the blocks a start took.
+    Ends with the device bytes the host tier's copies and the adapter slots (which come after
+    sizing) take."""
+    per_block = bytes_per_block(model, cfg, draft)
+    return (model, cfg, limit, args.gpu_memory_utilization, per_block, activations, host_tier_bytes(args, cfg, per_block),
+            lora_bytes(model, cfg))
 
 
 def blocks_as_before(cfg: RunnerConfig, sizing: tuple, fit: int) -> int:
@@ -322,13 +364,22 @@ def blocks_as_before(cfg: RunnerConfig, sizing: tuple, fit: int) -> int:
     cache = program_cache_of(cfg)
     if cache is None:
         return fit
-    key = hashlib.sha256(repr(("kv blocks", *sizing)).encode()).hexdigest()
-    earlier = cache.load_figure(key)
+    earlier = blocks_taken_before(cfg, sizing)
     if earlier is not None and fit - 2 * (fit // KV_BLOCKS_JITTER) <= earlier <= fit:
         return earlier
     taken = fit - fit // KV_BLOCKS_JITTER
-    cache.store_figure(key, taken)
+    cache.store_figure(_blocks_key(sizing), taken)
     return taken
+
+
+def blocks_taken_before(cfg: RunnerConfig, sizing: tuple) -> int | None:
+    """The KV blocks the last start with the same `sizing` took (`blocks_as_before`), or None."""
+    cache = program_cache_of(cfg)
+    return None if cache is None else cache.load_figure(_blocks_key(sizing))
+
+
+def _blocks_key(sizing: tuple) -> str:
+    return hashlib.sha256(repr(("kv blocks", *sizing)).encode()).hexdigest()
 
 
 def host_tier_bytes(args: EngineArgs, cfg: RunnerConfig, per_block: int) -> int:
@@ -363,25 +414,34 @@ def open_model(args: EngineArgs) -> Checkpoint | None:
     return open_checkpoint(args.model) if args.model is not None and args.load_format == "auto" else None
 
 
+def held_model_config(args: EngineArgs, checkpoint: Checkpoint | None) -> ModelConfig:
+    """The config of the model `load_weights` loads, known before its weights load."""
+    if checkpoint is not None:
+        config = checkpoint.config
+    else:
+        config = default_model_config() if args.model is None else dummy_config(args.model)
+    return held_config(config, args.quantization)
+
+
 def load_weights(args: EngineArgs, checkpoint: Checkpoint | None, dtype: str) -> tuple[ModelConfig, Params]:
     """The model's config and weights (the built-in tiny model, the checkpoint, or random weights),
     held in `args.quantization`'s format."""
+    held = held_model_config(args, checkpoint)
     if checkpoint is not None:
-        held = held_config(checkpoint.config, args.quantization)
         return held, checkpoint.load(dtype, held)
     if args.model is None:
         return held_as(*default_model(dtype), args.quantization)
     # Random weights are drawn as they are held, a layer at a time. Drawn dense and quantized after,
     # the dense ones, freed, left the device's pool in pieces too small for the KV cache's arrays
     # (docs/benchmarks.md, fortieth session).
-    config = held_config(dummy_config(args.model), args.quantization)
-    return config, random_params(config, dtype, args.seed)
+    return held, random_params(held, dtype, args.seed)
 
 
-def load_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple[ModelConfig, Params] | None:
-    """The draft model of speculative_config's method "draft_model" (a checkpoint or the tiny
-    model's name, like `model`; with `load_format` "dummy", random weights in its shape drawn as the
-    target's, with its seed: a draft of the target's shape is then the target)."""
+def open_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple[ModelConfig, Checkpoint | None] | None:
+    """The draft model of speculative_config's method "draft_model", before its weights load: its
+    config, checked against `target`'s, and its checkpoint (None: the tiny model, or random weights
+    in its shape with `load_format` "dummy"). `spec.model` is a checkpoint or the tiny model's
+    name, like `model`."""
     spec = args.speculative()
     if not (spec.enabled and spec.method == "draft_model"):
         return None
@@ -389,10 +449,30 @@ def load_draft_model(args: EngineArgs, target: ModelConfig, dtype: str) -> tuple
     path = None if dummy else local_model(spec.model, need_tokenizer=False, dtype=dtype)
     checkpoint = None if path is None else open_checkpoint(path)
     config = dummy_config(spec.model) if dummy else default_model_config() if checkpoint is None else checkpoint.config
-    args.create_runner_config().check_model(target, config)  # before the draft's weights load
-    if dummy:
+    args.create_runner_config().check_model(target, config)
+    return config, checkpoint
+
+
+def load_draft_model(args: EngineArgs, draft: tuple[ModelConfig, Checkpoint | None] | None,
+                     dtype: str) -> tuple[ModelConfig, Params] | None:
+    """The opened draft model (`open_draft_model`) with its weights: random ones drawn as the
+    target's, with its seed, under `load_format` "dummy" (a draft of the target's shape is then the
+    target)."""
+    if draft is None:
+        return None
+    config, checkpoint = draft
+    if args.load_format == "dummy":
         return config, random_params(config, dtype, args.seed)
     return default_model(dtype) if checkpoint is None else (config, checkpoint.load(dtype))
+
+
+def load_programs_ahead(args: EngineArgs, model: ModelConfig, dtype: str, draft: ModelConfig | None = None
+                        ) -> Programs | None:
+    """The programs of the runner `runner_config` will most likely configure, those the program
+    cache holds loaded; None where that runner cannot be known before the weights load. Compiles
+    nothing: a start calls it while its weights load."""
+    cfg = _config_ahead(args, model, dtype, draft)
+    return None if cfg is None else load_programs(runner_context(model, cfg, dtype, draft))
 
 
 def warm_up(args: EngineArgs) -> bool:

@@ -355,14 +355,10 @@ class Programs:
         become ready. Once `stop` is set no further program is lowered; those lowered finish."""
         todo = {p.key: p for p in programs if p.key not in self._compiled}
         total = len(programs)
-        cache_keys = {key: self._cache_key(p) for key, p in todo.items()} if self._cache else {}
         workers = workers or min(len(todo), os.cpu_count() or 1) or 1
+        self.load_stored(list(todo.values()), workers)
+        cache_keys = {key: self._cache_key(p) for key, p in todo.items() if key not in self._compiled} if self._cache else {}
         with ThreadPoolExecutor(workers) as pool:
-            if cache_keys:
-                for key, exe in zip(cache_keys, pool.map(self._load, cache_keys.values())):
-                    if exe is not None:
-                        self._compiled[key] = exe
-                        self.loaded += 1
             ready = total - len(todo) + sum(key in self._compiled for key in todo)
             progress(ready, total)
             behind = tuning_order([p for key, p in todo.items() if key not in self._compiled])
@@ -397,6 +393,22 @@ class Programs:
                 release()
         return sum(key in self._compiled for key in todo)
 
+    def load_stored(self, programs: Sequence[Program], workers: int | None = None) -> int:
+        """Those of `programs` not made yet that the program cache holds (or KV sizing handed over),
+        loaded in parallel; how many. Compiles none, so it may run beside the weights' loading."""
+        todo = [(p.key, self._cache_key(p)) for p in programs if p.key not in self._compiled] if self._cache else []
+        if not todo:
+            return 0
+        with ThreadPoolExecutor(workers or min(len(todo), os.cpu_count() or 1)) as pool:
+            made = {key: exe for (key, _), exe in zip(todo, pool.map(self._load, [k for _, k in todo])) if exe is not None}
+        self._compiled.update(made)
+        self.loaded += len(made)
+        return len(made)
+
+    def stored_temp_bytes(self, programs: Sequence[Program]) -> int | None:
+        """`largest_temp_bytes` as an earlier start with the program cache measured it, or None."""
+        return self._cache.load_figure(self._figure_key(programs)) if self._cache else None
+
     def largest_temp_bytes(self, programs: Sequence[Program], alongside: Sequence[Program] = ()) -> int:
         """The largest temporary device memory of `programs` (their executables' `memory_analysis`).
         With a program cache, the figure is kept beside the executables, so a start that finds it
@@ -405,17 +417,19 @@ class Programs:
         alone) makes under the same program-cache keys, and its `compile_all` takes them from
         `_sized_alongside`. Without a program cache there are no keys to match them by, and they are
         left to that runner."""
-        key = hashlib.sha256(" ".join(map(self._cache_key, programs)).encode()).hexdigest() if self._cache else None
-        if key is not None and (figure := self._cache.load_figure(key)) is not None:
+        if (figure := self.stored_temp_bytes(programs)) is not None:
             return figure
         alongside = alongside if self._cache else ()
         self.compile_all([*programs, *alongside])
         _sized_alongside.clear()  # a start that failed before its warm-up left its own: they go
         _sized_alongside.update({self._cache_key(p): self._compiled[p.key] for p in alongside if p.key in self._compiled})
         figure = max(self._compiled[p.key].memory_analysis().temp_size_in_bytes for p in programs)
-        if key is not None:
-            self._cache.store_figure(key, figure)
+        if self._cache:
+            self._cache.store_figure(self._figure_key(programs), figure)
         return figure
+
+    def _figure_key(self, programs: Sequence[Program]) -> str:
+        return hashlib.sha256(" ".join(map(self._cache_key, programs)).encode()).hexdigest()
 
     def _load(self, cache_key: str) -> jax.stages.Compiled | None:
         exe = _sized_alongside.pop(cache_key, None)

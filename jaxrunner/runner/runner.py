@@ -410,6 +410,29 @@ def largest_step_bytes(ctx: Context, warming_up: bool = False) -> int:
     `KV_FREE_KINDS`, the same whatever the cache's size, compile beside the sizing ones, on cores
     these few compiles leave idle, and its warm-up takes them (`Programs.largest_temp_bytes`)."""
     programs = shared_programs(ctx)
+    kv_free = [p for kind in KV_FREE_KINDS for p in programs.examples(kind)] if warming_up else []
+    return programs.largest_temp_bytes(_largest_steps(programs), kv_free)
+
+
+def stored_step_bytes(ctx: Context) -> int | None:
+    """`largest_step_bytes` as an earlier start kept it in the program cache, or None: nothing
+    compiled or loaded."""
+    programs = shared_programs(ctx)
+    return programs.stored_temp_bytes(_largest_steps(programs))
+
+
+def load_programs(ctx: Context) -> Programs:
+    """The programs of a runner of `ctx` (`shared_programs`), those the program cache holds loaded:
+    a start reads them while its weights load, and the runner it makes next finds them ready."""
+    programs = shared_programs(ctx)
+    programs.load_stored(programs.warmup_programs())
+    return programs
+
+
+def _largest_steps(programs: Programs) -> list[Program]:
+    """The backbone of the largest token bucket, the fullest sampler of the largest request bucket
+    and the largest decode loop: the programs whose temporaries size the KV cache."""
+    ctx = programs.ctx
     flags, b = ctx.sampler_variants[-1], ctx.config.request_buckets[-1]
     named = dict(params=ctx.params, last_hidden=ctx.last_hidden(), samples=ctx.samples(b, flags), flags=flags)
     if ctx.spec_tokens:
@@ -417,9 +440,7 @@ def largest_step_bytes(ctx: Context, warming_up: bool = False) -> int:
     else:
         sampler = programs.program(SAMPLE, token_ids=ctx.state.token_ids, **named)
     loops = programs.examples(DECODE_LOOP)[:1]  # the largest first
-    kv_free = [p for kind in KV_FREE_KINDS for p in programs.examples(kind)] if warming_up else []
-    return programs.largest_temp_bytes([_forward_program(programs, ctx.config.max_num_batched_tokens), sampler, *loops],
-                                       kv_free)
+    return [_forward_program(programs, ctx.config.max_num_batched_tokens), sampler, *loops]
 
 
 def _forward_program(programs: Programs, num_tokens: int, uniform_decode: bool = False) -> Program:
