@@ -30,9 +30,9 @@ from jaxrunner.checkpoints.loader import Checkpoint, held_as, held_config, open_
 from jaxrunner.runner import (
     bytes_per_block,
     largest_step_bytes,
+    load_programs,
     lora_bytes,
     program_cache_of,
-    load_programs,
     runner_context,
     stored_step_bytes,
 )
