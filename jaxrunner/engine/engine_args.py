@@ -28,6 +28,7 @@ from jaxrunner.engine.scheduler import SchedulerConfig
 from jaxrunner.checkpoints.dummy import Params, dummy_config, random_params
 from jaxrunner.checkpoints.loader import Checkpoint, held_as, held_config, open_checkpoint
 from jaxrunner.runner import (
+    Programs,
     bytes_per_block,
     largest_step_bytes,
     load_programs,
@@ -36,7 +37,6 @@ from jaxrunner.runner import (
     runner_context,
     stored_step_bytes,
 )
-from jaxrunner.runner.programs import Programs
 
 logger = logging.getLogger(__name__)
 

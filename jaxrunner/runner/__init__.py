@@ -4,8 +4,8 @@
 before the runner exists, and the programs a start can load while its weights load (`load_programs`)."""
 
 from jaxrunner.runner.memory import bytes_per_block, kv_cache_bytes, lora_bytes
-from jaxrunner.runner.programs import program_cache_of
+from jaxrunner.runner.programs import Programs, program_cache_of
 from jaxrunner.runner.runner import Runner, largest_step_bytes, load_programs, runner_context, stored_step_bytes
 
-__all__ = ["Runner", "bytes_per_block", "kv_cache_bytes", "largest_step_bytes", "load_programs", "lora_bytes",
+__all__ = ["Programs", "Runner", "bytes_per_block", "kv_cache_bytes", "largest_step_bytes", "load_programs", "lora_bytes",
            "program_cache_of", "runner_context", "stored_step_bytes"]
