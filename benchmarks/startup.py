@@ -8,7 +8,8 @@ With --compile-in-background the engine starts on the largest buckets' programs;
 its start is when the warm-up thread has compiled the rest (`join_warmup`). With --time-first-runs
 every program call is waited for, which serialises the runs, and each program's first run timed
 (`first_run_seconds_by_kind`: programs, seconds, the longest; and the slowest programs); only a
-GPU start runs its programs before serving (`Runner.run_each_once`): on a CPU the start has none.
+GPU start that compiled programs runs them before serving (`Runner.run_each_once`): a CPU start,
+or one that found every program in the program cache, has none.
 --runs-again N then calls `run_each_once` N more times after the start: what its schedules cost
 once every program has run (`runs_again_seconds`, and with --time-first-runs every call of each
 pass by kind, `calls_by_pass`: calls, seconds, the longest), against the start's first runs.
@@ -68,7 +69,7 @@ def main() -> None:
                                                for kind, s in by_kind.items()}
         slowest = sorted(first_runs.items(), key=lambda item: item[1], reverse=True)[:8]
         result["slowest_first_runs"] = [[" ".join(map(str, key[:2])), round(s, 3)] for key, s in slowest]
-    if args.time_first_runs:  # a CPU start runs nothing, but the passes after it do
+    if args.time_first_runs:  # a CPU or cached start runs nothing, but the passes after it do
         result["calls_by_pass"] = [{kind: [len(s), round(sum(s), 3), round(max(s), 3)] for kind, s in calls.items()}
                                    for calls in passes]
     print(json.dumps(result, indent=1))
