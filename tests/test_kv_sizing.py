@@ -4,6 +4,7 @@ the blocks that fit beside it and the weights, and the GPU memory pool they fit 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -124,14 +125,17 @@ def test_sizing_compiles_the_programs_without_kv_pages_for_the_warm_up(tmp_path,
     assert {key[0] for key in programs.asked} >= {"sample", "prompt_logprobs"} and programs.compiled_on_use == 0
 
 
-def test_a_start_sized_as_before_reads_its_programs_while_its_weights_load(tmp_path, monkeypatch, fresh_jax_cache):
+def test_a_start_sized_as_before_reads_its_programs_while_its_weights_load(tmp_path, monkeypatch, fresh_jax_cache,
+                                                                           caplog):
     """Where an earlier start of the same sizing kept its figures (the largest step's bytes, the
     blocks it took), the runner a start will make is known before its weights load: its programs
     are read from the program cache meanwhile, off the main thread, and its warm-up finds every
-    one made. A first start (no figures yet) reads none ahead."""
+    one made. A first start (no figures yet) reads none ahead; one whose weights left another room
+    than the guess assumed sizes otherwise, and its warm-up makes its own programs."""
     monkeypatch.setenv("JAXRUNNER_CACHE", str(tmp_path))
-    gib = 2**30
-    monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_limit": gib, "bytes_in_use": gib // 4})
+    caplog.set_level(logging.INFO, logger="jaxrunner.engine.engine")
+    gib, in_use = 2**30, [2**28]
+    monkeypatch.setattr(platform, "memory_stats", lambda device=0: {"bytes_limit": gib, "bytes_in_use": in_use[0]})
     loading, first_read, read_while_loading = threading.Event(), threading.Event(), []
     load_weights, read = engine_module.load_weights, ProgramCache.load
 
@@ -143,7 +147,7 @@ def test_a_start_sized_as_before_reads_its_programs_while_its_weights_load(tmp_p
 
     def loading_weights(*args):
         loading.set()
-        first_read.wait(timeout=60 if starts else 0)  # the second start's loading waits for a read
+        first_read.wait(timeout=60 if len(starts) == 1 else 0)  # the second start's loading waits for a read
         weights = load_weights(*args)
         loading.clear()
         return weights
@@ -151,16 +155,22 @@ def test_a_start_sized_as_before_reads_its_programs_while_its_weights_load(tmp_p
     monkeypatch.setattr(ProgramCache, "load", reading)
     monkeypatch.setattr(engine_module, "load_weights", loading_weights)
     starts = []
-    for _ in range(2):
+    for room_taken in (0, 0, 2**27):
+        in_use[0] += room_taken
+        read_while_loading.clear()
         monkeypatch.setattr(programs_module, "_shared", weakref.WeakValueDictionary())  # a process of its own
         engine = LLM("tiny", load_format="dummy", skip_tokenizer_init=True, max_model_len=32, max_num_seqs=2,
                      max_num_batched_tokens=16, enforce_eager=False).llm_engine
         report = engine.startup
-        starts.append((engine.config, report["loaded_ahead"], report["compiled"], len(read_while_loading),
-                       all(read_while_loading)))
-    (config, none_ahead, compiled, none_read, _), (same_config, ahead, compiled_again, read_ahead, off_main) = starts
-    assert same_config == config and none_ahead == 0 and none_read == 0
-    assert compiled == ahead == report["programs"] and compiled_again == 0 and read_ahead and off_main
+        starts.append((engine.config.num_blocks, report["loaded_ahead"], report["compiled"] - report["loaded_from_cache"],
+                       len(read_while_loading), all(read_while_loading)))
+    total = report["programs"]
+    (blocks, none_ahead, _, none_read, _), (same_blocks, ahead, compiled, read_ahead, off_main), guessed_wrong = starts
+    assert same_blocks == blocks and none_ahead == 0 and none_read == 0
+    assert ahead == total and compiled == 0 and read_ahead and off_main
+    fewer_blocks, none_ahead, compiled, _, _ = guessed_wrong  # it read the guess's programs, and drops them
+    assert fewer_blocks < blocks and none_ahead == 0 and compiled > 0
+    assert "the programs read ahead were for a KV cache" in caplog.text
 
 
 def test_a_start_takes_the_blocks_an_earlier_start_took_while_they_fit(tmp_path):

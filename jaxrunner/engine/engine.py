@@ -160,20 +160,28 @@ class LLMEngine:
             pending = ahead.submit(load_programs_ahead, args, self.model_config, dtype, draft_config) if warms_now else None
             _, params = jax.block_until_ready(load_weights(args, checkpoint, dtype))
             draft = load_draft_model(args, draft_model, dtype)
-            programs = pending.result() if pending else None
+            weights_loaded = time.perf_counter()
+            programs, read_ahead = (pending.result() if pending else None) or (None, 0)
         loaded = time.perf_counter()
         self.config = runner_config(args, self.model_config, dtype, draft_config,
                                     warming_up=warms_now and not args.compile_in_background)
         sized = time.perf_counter()
         self.runner = Runner(self.model_config, params, self.config, draft)
+        if programs is not None and programs is not self.runner.programs:
+            logger.info("the programs read ahead were for a KV cache of %d blocks, sizing took %d: warm-up makes its own",
+                        programs.ctx.config.num_blocks, self.config.num_blocks)
+            read_ahead = 0
+        del programs  # the runner holds those it uses; others go before its warm-up
         with self._out_of_memory_named("making the KV cache"):
             self.state = self.runner.init_state()
         self.processor = Processor(self.tokenizer, self.runner.check_sampling_params, self.config.max_model_len,
                                    self.model_config.vocab_size)
         self.startup: dict = {}  # the start-up report: seconds per phase, programs, KV cache size
-        self._phases = {"load_seconds": round(loaded - start, 2), "kv_sizing_seconds": round(sized - loaded, 2),
-                        # read while the weights loaded, and the runner's: what its warm-up then found made
-                        "loaded_ahead": programs.loaded if programs is self.runner.programs else 0}
+        self._phases = {"load_seconds": round(weights_loaded - start, 2),  # the weights, the draft's too
+                        # the programs read from the program cache meanwhile (`load_programs_ahead`), the runner's:
+                        # how many (its warm-up finds them made), and how long the start waited for them after loading
+                        "loaded_ahead": read_ahead, "ahead_wait_seconds": round(loaded - weights_loaded, 2),
+                        "kv_sizing_seconds": round(sized - loaded, 2)}
         self.warm = not warm_up(args)  # every program a step can run compiled (or none to compile ahead)
         host_tier = HostTier(self.config.num_host_blocks, self.runner.host_kv.arrived,
                              host_tier_max_loads(self.model_config, self.config, draft_config),
@@ -203,9 +211,9 @@ class LLMEngine:
         The KV cache is let go while the programs compile and made again after: XLA's autotuner
         allocates device buffers as it compiles, beyond what KV sizing set aside. The first run of a
         GPU program holds the host while its kernels load; on XLA:CPU a first run costs little more
-        than a later one, and running every program would only lengthen each start. A start that
-        found every program in the program cache (or made by a runner before it) serves at once:
-        its first runs would cost that start more than they spare the first steps
+        than a later one, and running every program would only lengthen each start. A start whose
+        warm-up compiled none (it found them in the program cache, or a runner before it made them)
+        serves at once: its first runs would cost it more than they spare the first steps
         (docs/benchmarks.md)."""
         if self.warm:
             return
@@ -218,8 +226,9 @@ class LLMEngine:
             with self._out_of_memory_named("running each program once"):
                 self.state = self.runner.run_each_once(self.state)
         self.startup = report = {**self._phases, **report, "first_runs_seconds": round(time.perf_counter() - start, 2)}
-        logger.info("loaded in %.1f s, sized the KV cache in %.1f s, compiled %d programs in %.1f s (%.1f s lowering), "
-                    "ran each once in %.1f s; KV cache: %d blocks, %d tokens, %.2f GiB", report["load_seconds"],
+        logger.info("loaded in %.1f s (and %d programs, %.1f s after), sized the KV cache in %.1f s, compiled %d programs "
+                    "in %.1f s (%.1f s lowering), ran each once in %.1f s; KV cache: %d blocks, %d tokens, %.2f GiB",
+                    report["load_seconds"], report["loaded_ahead"], report["ahead_wait_seconds"],
                     report["kv_sizing_seconds"], report["compiled"], report["compile_seconds"], report["lowering_seconds"],
                     report["first_runs_seconds"], report["kv_cache_blocks"], report["kv_cache_tokens"], report["kv_cache_gib"])
         _freeze_objects()

@@ -467,12 +467,18 @@ def load_draft_model(args: EngineArgs, draft: tuple[ModelConfig, Checkpoint | No
 
 
 def load_programs_ahead(args: EngineArgs, model: ModelConfig, dtype: str, draft: ModelConfig | None = None
-                        ) -> Programs | None:
-    """The programs of the runner `runner_config` will most likely configure, those the program
-    cache holds loaded; None where that runner cannot be known before the weights load. Compiles
-    nothing: a start calls it while its weights load."""
-    cfg = _config_ahead(args, model, dtype, draft)
-    return None if cfg is None else load_programs(runner_context(model, cfg, dtype, draft))
+                        ) -> tuple[Programs, int] | None:
+    """The programs of the runner `runner_config` will most likely configure, with those the
+    program cache holds loaded, and how many (`runner.load_programs`); None where that runner cannot
+    be known before the weights load. Compiles nothing: a start calls it while its weights load. It
+    only saves time, so a failure is logged and the start goes on without it (the sizing after the
+    weights raises what is the start's error)."""
+    try:
+        cfg = _config_ahead(args, model, dtype, draft)
+        return None if cfg is None else load_programs(runner_context(model, cfg, dtype, draft))
+    except Exception:
+        logger.warning("reading the runner's programs ahead failed; warm-up makes them", exc_info=True)
+        return None
 
 
 def warm_up(args: EngineArgs) -> bool:

@@ -266,7 +266,7 @@ class Programs:
         self.asked: set[Hashable] = set()  # every key a call asked for
         self.warm: set[Hashable] = set()  # the keys of `warmup_programs`, once `warm_up` compiled them
         self.compiled_on_use = 0
-        self.loaded = 0  # by compile_all from the program cache, or handed over by KV sizing
+        self.loaded = 0  # from the program cache (`load_stored`, warm-up's or read ahead), or handed over by KV sizing
         # spent lowering by program kind (under the GIL: what no compile thread overlaps); of it, tracing
         # the Python into a jaxpr (the rest lowers the jaxpr, its kernels included)
         self.lowering_by_kind: Counter[str] = Counter()
@@ -356,8 +356,8 @@ class Programs:
         todo = {p.key: p for p in programs if p.key not in self._compiled}
         total = len(programs)
         workers = workers or min(len(todo), os.cpu_count() or 1) or 1
-        self.load_stored(list(todo.values()), workers)
-        cache_keys = {key: self._cache_key(p) for key, p in todo.items() if key not in self._compiled} if self._cache else {}
+        cache_keys = {key: self._cache_key(p) for key, p in todo.items()} if self._cache else {}
+        self._load_stored(cache_keys, workers)
         with ThreadPoolExecutor(workers) as pool:
             ready = total - len(todo) + sum(key in self._compiled for key in todo)
             progress(ready, total)
@@ -396,11 +396,14 @@ class Programs:
     def load_stored(self, programs: Sequence[Program], workers: int | None = None) -> int:
         """Those of `programs` not made yet that the program cache holds (or KV sizing handed over),
         loaded in parallel; how many. Compiles none, so it may run beside the weights' loading."""
-        todo = [(p.key, self._cache_key(p)) for p in programs if p.key not in self._compiled] if self._cache else []
-        if not todo:
+        return self._load_stored({p.key: self._cache_key(p) for p in programs if p.key not in self._compiled}
+                                 if self._cache else {}, workers)
+
+    def _load_stored(self, cache_keys: dict[Hashable, str], workers: int | None) -> int:
+        if not cache_keys:
             return 0
-        with ThreadPoolExecutor(workers or min(len(todo), os.cpu_count() or 1)) as pool:
-            made = {key: exe for (key, _), exe in zip(todo, pool.map(self._load, [k for _, k in todo])) if exe is not None}
+        with ThreadPoolExecutor(workers or min(len(cache_keys), os.cpu_count() or 1)) as pool:
+            made = {key: exe for key, exe in zip(cache_keys, pool.map(self._load, cache_keys.values())) if exe is not None}
         self._compiled.update(made)
         self.loaded += len(made)
         return len(made)

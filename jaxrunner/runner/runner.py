@@ -315,7 +315,7 @@ class Runner:
             "token_buckets": list(cfg.token_buckets),
             "request_buckets": list(cfg.request_buckets),
             "programs": len(everything),
-            "compiled": compiled,  # the others were compiled already, by a runner of the same context
+            "compiled": compiled,  # the others were made already: by a runner of the same context, or read ahead
             "in_background": len(everything) - len(first),  # left to the warm-up thread, at most
             "compile_seconds": round(time.perf_counter() - start, 2),
             "lowering_seconds": round(programs.lowering_seconds - lowering, 2),
@@ -421,12 +421,12 @@ def stored_step_bytes(ctx: Context) -> int | None:
     return programs.stored_temp_bytes(_largest_steps(programs))
 
 
-def load_programs(ctx: Context) -> Programs:
-    """The programs of a runner of `ctx` (`shared_programs`), those the program cache holds loaded:
-    a start reads them while its weights load, and the runner it makes next finds them ready."""
+def load_programs(ctx: Context) -> tuple[Programs, int]:
+    """The programs of a runner of `ctx` (`shared_programs`) with those the program cache holds
+    loaded, and how many it loaded: a start reads them while its weights load, and the runner it
+    makes next finds them made."""
     programs = shared_programs(ctx)
-    programs.load_stored(programs.warmup_programs())
-    return programs
+    return programs, programs.load_stored(programs.warmup_programs())
 
 
 def _largest_steps(programs: Programs) -> list[Program]:
